@@ -1,0 +1,167 @@
+from gradps.v1 import run_pb2 as _run_pb2
+from gradps.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PartPlacement(_message.Message):
+    __slots__ = ("name", "index", "offset", "count", "shard")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    index: int
+    offset: int
+    count: int
+    shard: int
+    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("version", "shards", "tensors", "parts")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
+    parts: _containers.RepeatedCompositeFieldContainer[PartPlacement]
+    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartPlacement, _Mapping]]] = ...) -> None: ...
+
+class OpenRunRequest(_message.Message):
+    __slots__ = ("run_id", "spec", "placement", "shard_index", "workers")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    spec: _run_pb2.RunSpec
+    placement: Placement
+    shard_index: int
+    workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., shard_index: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenRunResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class CloseRunResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetMembershipRequest(_message.Message):
+    __slots__ = ("run_id", "epoch", "live_workers")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    epoch: int
+    live_workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SetMembershipResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisterTensorsRequest(_message.Message):
+    __slots__ = ("run_id", "part")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    part: _tensor_pb2.TensorPart
+    def __init__(self, run_id: _Optional[str] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+
+class RegisterTensorsResponse(_message.Message):
+    __slots__ = ("initialised",)
+    INITIALISED_FIELD_NUMBER: _ClassVar[int]
+    initialised: int
+    def __init__(self, initialised: _Optional[int] = ...) -> None: ...
+
+class PartRef(_message.Message):
+    __slots__ = ("name", "index")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    index: int
+    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("run_id", "worker_id", "parts", "min_version", "wait_ms", "codec")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    worker_id: int
+    parts: _containers.RepeatedCompositeFieldContainer[PartRef]
+    min_version: int
+    wait_ms: int
+    codec: _tensor_pb2.CodecParams
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("part",)
+    PART_FIELD_NUMBER: _ClassVar[int]
+    part: _tensor_pb2.TensorPart
+    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("run_id", "worker_id", "step", "part")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    worker_id: int
+    step: int
+    part: _tensor_pb2.TensorPart
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("parts", "staleness", "applied")
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    parts: int
+    staleness: int
+    applied: bool
+    def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("parts", "param_bytes", "pushes", "bytes_pushed", "bytes_pulled", "min_version", "device")
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    parts: int
+    param_bytes: int
+    pushes: int
+    bytes_pushed: int
+    bytes_pulled: int
+    min_version: int
+    device: str
+    def __init__(self, parts: _Optional[int] = ..., param_bytes: _Optional[int] = ..., pushes: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., min_version: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
