@@ -26,7 +26,7 @@ RUN_STATE_FAILED: RunState
 RUN_STATE_STOPPED: RunState
 
 class Metrics(_message.Message):
-    __slots__ = ("worker_id", "rank", "step", "loss", "test_accuracy", "test_loss", "samples", "elapsed_s", "bytes_pushed", "bytes_pulled", "staleness_sum", "pushes", "staleness_max", "wait_s", "done", "error")
+    __slots__ = ("worker_id", "rank", "step", "loss", "test_accuracy", "test_loss", "samples", "elapsed_s", "bytes_pushed", "bytes_pulled", "staleness_sum", "pushes", "staleness_max", "wait_s", "done", "error", "total_steps")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class Metrics(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     rank: int
     step: int
@@ -59,7 +60,8 @@ class Metrics(_message.Message):
     wait_s: float
     done: bool
     error: str
-    def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    total_steps: int
+    def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message")
@@ -204,10 +206,12 @@ class JoinWorkerResponse(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "run_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, worker_id: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("stop", "rejoin")
@@ -240,12 +244,14 @@ class GetAssignmentResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., rank: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
-    __slots__ = ("run_id", "tensors")
+    __slots__ = ("run_id", "tensors", "total_steps")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
-    def __init__(self, run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
+    total_steps: int
+    def __init__(self, run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
     __slots__ = ("placement",)

@@ -35,18 +35,20 @@ class Placement(_message.Message):
     def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartPlacement, _Mapping]]] = ...) -> None: ...
 
 class OpenRunRequest(_message.Message):
-    __slots__ = ("run_id", "spec", "placement", "shard_index", "workers")
+    __slots__ = ("run_id", "spec", "placement", "shard_index", "workers", "total_steps")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec: _run_pb2.RunSpec
     placement: Placement
     shard_index: int
     workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., shard_index: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    total_steps: int
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., shard_index: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class OpenRunResponse(_message.Message):
     __slots__ = ()

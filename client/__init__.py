@@ -1,0 +1,1 @@
+"""The gradps CLI and Python SDK."""

@@ -1,0 +1,264 @@
+"""The `gradps` command line: train, up, status, runs, stop, export."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from client.local_cluster import LocalCluster
+from client.report import follow, print_summary
+from client.sdk import Client, GradpsError
+from gradps.codecs import parse_codec
+from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import run_pb2
+
+_CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
+
+
+def _codec(ctx, param, value: str):
+    try:
+        return parse_codec(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _straggler(ctx, param, value: str | None) -> tuple[int, float] | None:
+    if not value:
+        return None
+    try:
+        rank, factor = value.split(":")
+        parsed = int(rank), float(factor)
+    except ValueError:
+        raise click.BadParameter(f"expected RANK:FACTOR such as 3:3, got {value!r}") from None
+    if parsed[0] < 0 or parsed[1] < 1:
+        raise click.BadParameter("rank must be >= 0 and factor >= 1")
+    return parsed
+
+
+def spec_options(fn):
+    """The options that define a run, shared by `train` and `compare`."""
+    options = [
+        click.option("--model", default="mlp", help="mlp, cnn, resnet18, transformer or package.module:function."),
+        click.option("--dataset", default="digits", help="digits, synthetic-images, synthetic-tokens or an import path."),
+        click.option("--dataset-size", default=0, type=click.IntRange(min=0), help="Samples for synthetic datasets."),
+        click.option("--optimizer", default="sgd", type=click.Choice(["sgd", "adam", "adamw"])),
+        click.option("--lr", default=0.05, type=click.FloatRange(min=0, min_open=True)),
+        click.option("--momentum", default=0.0, type=click.FloatRange(min=0)),
+        click.option("--nesterov", is_flag=True),
+        click.option("--weight-decay", default=0.0, type=click.FloatRange(min=0)),
+        click.option("--schedule", default="constant", type=click.Choice(["constant", "step", "cosine"])),
+        click.option("--warmup-steps", default=0, type=click.IntRange(min=0)),
+        click.option("--batch-size", default=32, type=click.IntRange(min=1)),
+        click.option("--steps", default=0, type=click.IntRange(min=0), help="Steps per worker (0: use --epochs)."),
+        click.option("--epochs", default=20.0, type=click.FloatRange(min=0, min_open=True)),
+        click.option("--seed", default=0, type=click.IntRange(min=0)),
+        click.option("--codec", default="none", callback=_codec, help="Gradient codec: none, fp16, bf16, int8, topk:R, randk:R, sign."),
+        click.option("--pull-codec", default="none", callback=_codec, help="Weights codec: none, fp16, bf16."),
+        click.option("--eval-every", default=50, type=click.IntRange(min=0), help="Evaluate every K steps (0: only at the end)."),
+        click.option("--part-size", default=4 * 1024 * 1024, type=click.IntRange(min=1), help="Bytes per part."),
+        click.option("--n-push", default=1, type=click.IntRange(min=1), help="asgd: push every N steps."),
+        click.option("--n-fetch", default=1, type=click.IntRange(min=1), help="asgd: fetch every N steps."),
+        click.option("--straggler", default=None, callback=_straggler, help="RANK:FACTOR: that worker is FACTOR times slower."),
+        click.option("--jitter", default=0.0, type=click.FloatRange(0, 1), help="Probability that a step takes twice as long."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def build_spec(scheme: str, workers: int, **o) -> run_pb2.RunSpec:
+    """A RunSpec from the CLI's options."""
+    straggler = o.get("straggler")
+    return run_pb2.RunSpec(
+        model=o["model"],
+        dataset=o["dataset"],
+        dataset_size=o["dataset_size"],
+        scheme=scheme,
+        scheme_params=run_pb2.SchemeParams(n_push=o["n_push"], n_fetch=o["n_fetch"]),
+        optimizer=run_pb2.OptimizerSpec(
+            name=o["optimizer"],
+            lr=o["lr"],
+            momentum=o["momentum"],
+            nesterov=o["nesterov"],
+            weight_decay=o["weight_decay"],
+            schedule=o["schedule"],
+            warmup_steps=o["warmup_steps"],
+        ),
+        batch_size=o["batch_size"],
+        steps=o["steps"],
+        epochs=o["epochs"],
+        seed=o["seed"],
+        codec=o["codec"],
+        pull_codec=o["pull_codec"],
+        eval_every=o["eval_every"],
+        workers=workers,
+        part_size=o["part_size"],
+        straggler_rank=straggler[0] if straggler else 0,
+        straggler_factor=straggler[1] if straggler else 0.0,
+        jitter=o["jitter"],
+    )
+
+
+def one_line_errors(fn):
+    """Turn the errors a user can cause into one line and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (GradpsError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+@click.group(context_settings=_CONTEXT)
+def cli() -> None:
+    """gradps: a sharded parameter server for data-parallel training."""
+
+
+def _cluster_options(fn):
+    fn = click.option("--heartbeat-timeout", default=3.0, type=click.FloatRange(min=0.1), help="--local: seconds.")(fn)
+    fn = click.option("--shards", default=2, type=click.IntRange(min=1), help="--local: shard processes.")(fn)
+    fn = click.option("--local", is_flag=True, help="Start an embedded cluster of local processes.")(fn)
+    fn = click.option("--coordinator", envvar="GRADPS_COORDINATOR", default=None, help="Coordinator HOST:PORT.")(fn)
+    return fn
+
+
+@cli.command(context_settings=_CONTEXT)
+@_cluster_options
+@click.option("--scheme", default="sync", type=click.Choice(["sync", "asgd"]), help="Consistency scheme.")
+@click.option("--workers", default=2, type=click.IntRange(min=1))
+@spec_options
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Run folder (default runs/<run-id>).")
+@click.option("--no-progress", is_flag=True, help="No live progress bar.")
+@one_line_errors
+def train(coordinator, local, shards, heartbeat_timeout, scheme, workers, out, no_progress, **options) -> None:
+    """Train one run and print its summary; writes summary.json and metrics.jsonl."""
+    if local == bool(coordinator):
+        raise click.UsageError("give exactly one of --local or --coordinator HOST:PORT")
+    spec = build_spec(scheme, workers, **options)
+    if local:
+        log_dir = Path("runs") / "local-logs" if out is None else out / "logs"
+        with LocalCluster(shards, workers, heartbeat_timeout, log_dir=log_dir) as cluster:
+            summary = _train_on(cluster.address, spec, out, no_progress)
+    else:
+        summary = _train_on(coordinator, spec, out, no_progress)
+    print_summary(summary)
+    if summary["state"] != "completed":
+        raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
+
+
+def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress: bool) -> dict:
+    with Client(address) as client:
+        run_id = client.submit(spec)
+        out_dir = out or Path("runs") / run_id
+        summary = follow(client, run_id, out_dir, show_progress=not no_progress)
+        click.echo(f"wrote {out_dir / 'summary.json'} and {out_dir / 'metrics.jsonl'}", err=True)
+        return summary
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.option("--shards", default=2, type=click.IntRange(min=1))
+@click.option("--workers", default=2, type=click.IntRange(min=1))
+@click.option("--heartbeat-timeout", default=3.0, type=click.FloatRange(min=0.1))
+@one_line_errors
+def up(shards: int, workers: int, heartbeat_timeout: float) -> None:
+    """Run a local cluster in the foreground until Ctrl-C."""
+    with LocalCluster(shards, workers, heartbeat_timeout, log_dir=Path("runs") / "local-logs") as cluster:
+        click.echo(f"coordinator at {cluster.address}; {shards} shards, {workers} workers. Ctrl-C stops.")
+        click.echo(f"  gradps train --coordinator {cluster.address}")
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            click.echo("stopping")
+
+
+def _coordinator_option(fn):
+    return click.option(
+        "--coordinator", envvar="GRADPS_COORDINATOR", default="127.0.0.1:50051", help="Coordinator HOST:PORT."
+    )(fn)
+
+
+@cli.command(context_settings=_CONTEXT)
+@_coordinator_option
+@one_line_errors
+def status(coordinator: str) -> None:
+    """Shards, workers and runs of a cluster."""
+    with Client(coordinator) as client:
+        cluster = client.cluster()
+        runs = client.runs()
+    console = Console()
+    console.print(f"coordinator {coordinator}: {len(cluster.shards)} shards, {len(cluster.workers)} workers")
+    for i, address in enumerate(cluster.shards):
+        console.print(f"  shard {i}  {address}")
+    for w in cluster.workers:
+        state = "alive" if w.alive else "dead"
+        console.print(f"  worker {w.worker_id}  {w.name}  {w.device}  {state}  {w.run_id or 'idle'}")
+    active = [r for r in runs if r.state in (cpb.RUN_STATE_PENDING, cpb.RUN_STATE_RUNNING)]
+    console.print(f"{len(runs)} runs, {len(active)} active")
+
+
+@cli.command(context_settings=_CONTEXT)
+@_coordinator_option
+@one_line_errors
+def runs(coordinator: str) -> None:
+    """List the runs of a cluster."""
+    with Client(coordinator) as client:
+        all_runs = client.runs()
+    table = Table("run", "state", "scheme", "model", "workers", "steps", "test acc", "message")
+    for r in all_runs:
+        accuracies = [m.test_accuracy for m in r.latest if m.test_accuracy >= 0]
+        table.add_row(
+            r.run_id,
+            cpb.RunState.Name(r.state).removeprefix("RUN_STATE_").lower(),
+            r.spec.scheme,
+            r.spec.model,
+            str(r.spec.workers),
+            str(max((m.step for m in r.latest), default=0)),
+            f"{accuracies[-1]:.4f}" if accuracies else "-",
+            r.message,
+        )
+    Console().print(table)
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("run_id")
+@_coordinator_option
+@one_line_errors
+def stop(run_id: str, coordinator: str) -> None:
+    """Stop a run."""
+    with Client(coordinator) as client:
+        client.stop(run_id)
+    click.echo(f"stopped {run_id}")
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("run_id")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="File to write.")
+@_coordinator_option
+@one_line_errors
+def export(run_id: str, out: Path, coordinator: str) -> None:
+    """Write a run's full state_dict, assembled from all shards, with torch.save."""
+    import torch
+
+    with Client(coordinator) as client:
+        state = client.export_state_dict(run_id)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out)
+    click.echo(f"wrote {out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters")
+
+
+def main() -> None:
+    cli(prog_name="gradps")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""sync: push step t's gradient, then wait for the weights of step t+1."""
+
+from __future__ import annotations
+
+from gpu_worker.schemes.base import WorkerScheme
+
+
+class SyncWorker(WorkerScheme):
+    """Every worker computes on the same weights; the shards apply one mean update per step."""
+
+    def start(self) -> None:
+        self.client.pull(self.params, min_version=0)
+
+    def after_backward(self, step: int) -> None:
+        self.client.push(self.trainer.grads(), step)
+        self.client.pull(self.params, min_version=step + 1)
+
+    def finish(self) -> None:
+        """The replica already holds the final global weights after the last pull."""

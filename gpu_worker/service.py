@@ -1,0 +1,151 @@
+"""The worker service: join, wait for a run, train it with the built-in models and datasets."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+import threading
+import time
+
+import click
+import grpc
+import torch
+
+from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
+from gpu_worker.trainer import Trainer
+from gradps.datasets import ShardSampler, load_dataset
+from gradps.device import resolve_device
+from gradps.evaluation import compute_loss, evaluate
+from gradps.models import build_model
+
+_LOGGER = logging.getLogger("gradps.worker")
+
+
+def total_steps(assignment: Assignment, train_size: int) -> int:
+    """Steps per worker: `steps`, or `epochs` passes over an equal 1/P share of the data.
+
+    Every rank derives the same number from the global size, so `sync` ranks never disagree.
+    """
+    spec = assignment.spec
+    if spec.steps:
+        return spec.steps
+    per_epoch = max(1, (train_size // assignment.world) // spec.batch_size)
+    return max(1, math.ceil(spec.epochs * per_epoch))
+
+
+class Slowdown:
+    """Emulated uneven workers: a straggler rank's steps take FACTOR times as long, and with
+    probability `jitter` any step takes twice as long (like WAGMA's uneven sample lengths)."""
+
+    def __init__(self, assignment: Assignment) -> None:
+        spec = assignment.spec
+        self.factor = spec.straggler_factor if spec.straggler_factor > 1 and spec.straggler_rank == assignment.rank else 1.0
+        self.jitter = spec.jitter
+        self._rng = random.Random(spec.seed * 1000 + assignment.rank)
+
+    def after(self, step_seconds: float) -> None:
+        extra = (self.factor - 1.0) * step_seconds
+        if self.jitter and self._rng.random() < self.jitter:
+            extra += step_seconds
+        if extra > 0:
+            time.sleep(extra)
+
+
+def train(session: WorkerSession, assignment: Assignment, device: torch.device, stop: threading.Event) -> None:
+    """Train one assigned run to the end (or until it is stopped, or the service shuts down)."""
+    spec = assignment.spec
+    dataset = load_dataset(spec.dataset, spec.dataset_size, spec.seed)
+    torch.manual_seed(spec.seed)  # every replica starts from the same weights
+    model = build_model(spec.model, dataset).to(device)
+    steps = total_steps(assignment, len(dataset.train_x))
+    sampler = ShardSampler(len(dataset.train_x), assignment.rank, assignment.world, spec.batch_size, spec.seed)
+    trainer = Trainer(
+        model,
+        session,
+        assignment,
+        steps,
+        evaluate=lambda m: evaluate(m, dataset),
+        report_every=max(1, min(20, steps // 50)),
+    )
+    slowdown = Slowdown(assignment)
+    try:
+        trainer.start()
+        model.train()
+        for _ in range(steps):
+            if stop.is_set():
+                raise RunAbandoned(f"run {assignment.run_id}: worker shutting down")
+            began = time.perf_counter()
+            idx = sampler.next_batch()
+            x, y = dataset.train_x[idx].to(device), dataset.train_y[idx].to(device)
+            loss = compute_loss(model, x, y, dataset.task)
+            loss.backward()
+            trainer.step(loss.item(), len(idx))
+            slowdown.after(time.perf_counter() - began)
+        m = trainer.finish()
+        _LOGGER.info("run %s done: %d steps, test accuracy %.4f", assignment.run_id, steps, m.test_accuracy)
+    except RunAbandoned as e:
+        _LOGGER.warning("%s", e)
+        trainer.client.close()
+    except grpc.RpcError as e:
+        if session.stopping:
+            _LOGGER.warning("run %s stopped", assignment.run_id)
+            trainer.client.close()
+            return
+        _LOGGER.error("run %s: %s %s", assignment.run_id, e.code().name, e.details())
+        trainer.fail(f"{e.code().name}: {e.details()}")
+
+
+def serve(coordinator: str, device: torch.device, name: str | None, stop: threading.Event) -> None:
+    """Join and train assignments until `stop` is set."""
+    session = WorkerSession(coordinator, name=name, device=str(device))
+    try:
+        while not stop.is_set():
+            assignment = session.wait_for_assignment(wait_s=1.0)
+            if assignment is None:
+                continue
+            _LOGGER.info("run %s: rank %d of %d", assignment.run_id, assignment.rank, assignment.world)
+            try:
+                train(session, assignment, device, stop)
+            except Exception as e:  # a broken model or dataset fails the run, not the service
+                _LOGGER.exception("run %s failed", assignment.run_id)
+                try:
+                    session.report(assignment.run_id, _failure(e))
+                except (grpc.RpcError, RunAbandoned):
+                    pass
+    finally:
+        session.close()
+
+
+def _failure(e: Exception):
+    from gradps.v1 import coordinator_pb2
+
+    return coordinator_pb2.Metrics(error=f"{type(e).__name__}: {e}"[:2000], test_accuracy=-1.0)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--coordinator", envvar="GRADPS_COORDINATOR", required=True, help="Coordinator HOST:PORT.")
+@click.option("--device", envvar="GRADPS_DEVICE", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--name", envvar="GRADPS_WORKER_NAME", default=None, help="Name shown in `gradps status`.")
+@click.option("--threads", envvar="GRADPS_THREADS", default=1, type=int, help="torch intra-op threads.")
+@click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
+def main(coordinator: str, device: str, name: str | None, threads: int, log_level: str) -> None:
+    """gradps worker: joins the coordinator and trains the runs assigned to it."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+    try:
+        torch_device = resolve_device(device)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
+    torch.set_num_threads(max(1, threads))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve(coordinator, torch_device, name, stop)
+    except ConnectionError as e:
+        raise click.ClickException(str(e)) from None
+
+
+if __name__ == "__main__":
+    main()

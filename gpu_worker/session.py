@@ -1,0 +1,116 @@
+"""A worker's membership in the cluster: join, heartbeat, wait for a run, report metrics."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from gradps.channel import open_channel
+from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2
+
+_LOGGER = logging.getLogger("gradps.worker")
+
+
+class RunAbandoned(Exception):
+    """The run was stopped, failed elsewhere, or the coordinator declared this worker dead."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A run this worker takes part in."""
+
+    run_id: str
+    spec: run_pb2.RunSpec
+    # This worker's rank, and the number of workers.
+    rank: int
+    world: int
+
+
+class WorkerSession:
+    """Joins the coordinator and keeps heartbeating from a background thread."""
+
+    def __init__(self, coordinator: str, name: str | None = None, device: str = "cpu", join_timeout_s: float = 60.0):
+        self.coordinator = coordinator
+        self.name = name or socket.gethostname()
+        self.device = device
+        self._channel = open_channel(coordinator)
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._run_id = ""
+        self._stop_run = threading.Event()
+        self._closed = threading.Event()
+        self.worker_id, interval_ms = self._join(join_timeout_s)
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(interval_ms / 1000,), name="heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def _join(self, timeout_s: float) -> tuple[int, int]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                r = self._stub.JoinWorker(cpb.JoinWorkerRequest(name=self.name, device=self.device), timeout=5)
+                _LOGGER.info("joined %s as worker %d", self.coordinator, r.worker_id)
+                return r.worker_id, r.heartbeat_interval_ms
+            except grpc.RpcError as e:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"cannot reach coordinator at {self.coordinator}: {e.details()}") from None
+                time.sleep(0.5)
+
+    def _beat(self, interval_s: float) -> None:
+        while not self._closed.wait(interval_s):
+            try:
+                r = self._stub.Heartbeat(
+                    cpb.HeartbeatRequest(worker_id=self.worker_id, run_id=self._run_id), timeout=max(1.0, interval_s * 2)
+                )
+            except grpc.RpcError:
+                continue  # the coordinator is briefly unreachable; the timeout decides
+            if r.stop:
+                self._stop_run.set()
+            if r.rejoin:
+                self._stop_run.set()
+                try:
+                    self.worker_id, _ = self._join(5.0)
+                except ConnectionError:
+                    pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._channel.close()
+
+    @property
+    def stopping(self) -> bool:
+        """True once the current run was stopped: the training loop should give up."""
+        return self._stop_run.is_set()
+
+    def wait_for_assignment(self, wait_s: float = 10.0) -> Assignment | None:
+        """Long-poll the coordinator; None when nothing was assigned within `wait_s`."""
+        r = self._stub.GetAssignment(
+            cpb.GetAssignmentRequest(worker_id=self.worker_id, wait_ms=int(wait_s * 1000)), timeout=wait_s + 10
+        )
+        if not r.run_id:
+            return None
+        self._run_id = r.run_id
+        self._stop_run.clear()
+        return Assignment(r.run_id, r.spec, r.rank, len(r.workers))
+
+    def placement(self, run_id: str, tensors: list[tensor_pb2.TensorSpec], total_steps: int) -> shard_pb2.Placement:
+        """The run's placement table (the first worker's call creates it)."""
+        r = self._stub.GetPlacement(
+            cpb.GetPlacementRequest(run_id=run_id, tensors=tensors, total_steps=total_steps), timeout=60
+        )
+        return r.placement
+
+    def report(self, run_id: str, metrics: cpb.Metrics) -> None:
+        """Send metrics; raise RunAbandoned when the coordinator says the run is over for us."""
+        metrics.worker_id = self.worker_id
+        r = self._stub.ReportMetrics(cpb.ReportMetricsRequest(run_id=run_id, metrics=metrics), timeout=30)
+        if metrics.done or metrics.error:
+            self._run_id = ""
+        if r.stop and not metrics.done and not metrics.error:
+            raise RunAbandoned(f"run {run_id} was stopped")
+

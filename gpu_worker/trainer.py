@@ -1,0 +1,140 @@
+"""The training loop as a library: wrap a model, call `step()` after each backward pass.
+
+    trainer = Trainer(model, session, assignment, total_steps=1000)
+    trainer.start()
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        trainer.step(loss.item(), samples=len(x))
+    trainer.finish(evaluate)
+
+The scheme (sync, asgd, ...) decides what `start`, `step` and `finish` exchange with the shards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from gpu_worker.ps_client import ParameterClient, tensor_specs
+from gpu_worker.schemes import WORKER_SCHEMES
+from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
+from gradps.v1 import coordinator_pb2 as cpb
+
+Evaluate = Callable[[torch.nn.Module], tuple[float, float]]
+
+
+class Trainer:
+    """One worker's side of a run: its model replica, its shard connections, its scheme."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        session: WorkerSession,
+        assignment: Assignment,
+        total_steps: int,
+        evaluate: Evaluate | None = None,
+        report_every: int = 10,
+    ) -> None:
+        self.model = model
+        self.session = session
+        self.assignment = assignment
+        self.spec = assignment.spec
+        self.total_steps = total_steps
+        self.evaluate = evaluate
+        self.report_every = max(1, report_every)
+        # Only parameters live on the shards; models with buffers keep them local.
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        placement = session.placement(assignment.run_id, tensor_specs(self.params), total_steps)
+        self.client = ParameterClient(
+            placement, assignment.run_id, session.worker_id, self.spec.codec, self.spec.pull_codec
+        )
+        self.scheme = WORKER_SCHEMES[self.spec.scheme](self)
+        self.steps_done = 0
+        self.samples = 0
+        self._loss_sum = 0.0
+        self._loss_n = 0
+        self._started = 0.0
+
+    def start(self) -> None:
+        """Upload this replica's initial weights (first upload wins) and take the global ones."""
+        self._started = time.perf_counter()
+        with torch.no_grad():
+            self.client.register(self.params)
+        self.scheme.start()
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The current gradient of every parameter (zeros where backward left none)."""
+        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params.items()}
+
+    def step(self, loss: float, samples: int) -> None:
+        """Exchange with the shards after one backward pass, then clear the gradients."""
+        if self.session.stopping:
+            raise RunAbandoned(f"run {self.assignment.run_id} was stopped")
+        with torch.no_grad():
+            self.scheme.after_backward(self.steps_done)
+        for p in self.params.values():
+            p.grad = None
+        self.steps_done += 1
+        self.samples += samples
+        self._loss_sum += loss
+        self._loss_n += 1
+        eval_every = self.spec.eval_every
+        evaluate_now = (
+            self.evaluate is not None
+            and self.assignment.rank == 0
+            and eval_every > 0
+            and self.steps_done % eval_every == 0
+            and self.steps_done < self.total_steps
+        )
+        if evaluate_now or self.steps_done % self.report_every == 0:
+            self._report(evaluate_now, done=False)
+
+    def finish(self) -> cpb.Metrics:
+        """Bring the replica to the final global model, evaluate it, report done."""
+        with torch.no_grad():
+            self.scheme.finish()
+        metrics = self._report(self.evaluate is not None, done=True)
+        self.client.close()
+        return metrics
+
+    def fail(self, error: str) -> None:
+        """Report that this worker failed; the run fails."""
+        m = self._metrics()
+        m.error = error[:2000]
+        try:
+            self.session.report(self.assignment.run_id, m)
+        finally:
+            self.client.close()
+
+    def _metrics(self) -> cpb.Metrics:
+        t = self.client.traffic
+        return cpb.Metrics(
+            rank=self.assignment.rank,
+            step=self.steps_done,
+            loss=self._loss_sum / max(1, self._loss_n),
+            test_accuracy=-1.0,
+            samples=self.samples,
+            elapsed_s=time.perf_counter() - self._started,
+            bytes_pushed=t.bytes_pushed,
+            bytes_pulled=t.bytes_pulled,
+            staleness_sum=t.staleness_sum,
+            pushes=t.pushes,
+            staleness_max=t.staleness_max,
+            wait_s=t.wait_s,
+            total_steps=self.total_steps,
+        )
+
+    def _report(self, evaluate: bool, done: bool) -> cpb.Metrics:
+        m = self._metrics()
+        if evaluate and self.evaluate is not None:
+            was_training = self.model.training
+            model = self.scheme.eval_model()
+            m.test_loss, m.test_accuracy = self.evaluate(model)
+            self.model.train(was_training)
+        m.done = done
+        self._loss_sum, self._loss_n = 0.0, 0
+        self.session.report(self.assignment.run_id, m)
+        return m

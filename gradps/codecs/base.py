@@ -1,0 +1,179 @@
+"""The codec interface and the helpers every codec shares (payload views, validation, buffers).
+
+A codec turns one part's values (a 1-D float32 tensor) into the payload bytes laid out as
+`proto/gradps/v1/tensor.proto` describes for its `Codec` enum value, and back.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import struct
+import sys
+import warnings
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+if sys.byteorder != "little":  # payloads are little-endian and are viewed in place, never byte-swapped
+    raise ImportError("gradps.codecs needs a little-endian host")
+
+# Bytes-like payloads accepted by decoders (protobuf gives `bytes`; slices give `memoryview`).
+Buffer = bytes | bytearray | memoryview
+
+# torch warns that a tensor over immutable `bytes` could be written through; the views made here
+# are only ever read (and copied from), so the warning is noise. Scoped to this package's frames.
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=r"gradps\.codecs"
+)
+
+_SCALE = struct.Struct("<f")
+
+
+class CodecError(ValueError):
+    """A payload or codec parameter that cannot be decoded; its message is one line for the
+    caller to return as gRPC INVALID_ARGUMENT."""
+
+
+class Codec(abc.ABC):
+    """One wire encoding of a part's float32 values.
+
+    Subclasses implement `_encode`, `_decode` and the two size functions; the public `encode` and
+    `decode` validate their arguments first, so every codec rejects bad input the same way.
+    """
+
+    # Short name used in CLI strings and tables, e.g. "int8".
+    name: ClassVar[str]
+    # True when decode(encode(x)) may differ from x (the sender then keeps error feedback).
+    lossy: ClassVar[bool]
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        """Encode a 1-D contiguous float32 CPU tensor into this codec's payload (little-endian).
+
+        Raises CodecError when the values contain NaN/Inf or do not fit the codec.
+        """
+        if values.dtype != torch.float32 or values.dim() != 1 or values.device.type != "cpu":
+            raise TypeError(
+                f"{self.name}: encode takes a 1-D float32 CPU tensor, got {values.dtype} "
+                f"with shape {tuple(values.shape)} on {values.device}"
+            )
+        if not values.is_contiguous():
+            raise ValueError(f"{self.name}: encode takes a contiguous tensor")
+        check_finite(values, f"{self.name}: values to encode")
+        return self._encode(values.detach())
+
+    def decode(self, payload: Buffer, count: int, device: torch.device | str) -> torch.Tensor:
+        """Decode `payload` into a new 1-D float32 tensor of `count` elements on `device`.
+
+        Raises CodecError on a wrong length, out-of-range or repeated indices, or NaN/Inf.
+        """
+        return self._decode(byte_view(payload), check_count(count), torch.device(device))
+
+    def add_decoded(self, payload: Buffer, out: torch.Tensor, alpha: float = 1.0) -> None:
+        """out += alpha * decode(payload), in place, on out's device; `out` is 1-D float32.
+
+        Used by error feedback (alpha = -1) and by a shard accumulating pushes; sparse codecs
+        override it to touch only the k listed elements.
+        """
+        check_out(out)
+        out.add_(self.decode(payload, out.numel(), out.device), alpha=alpha)
+
+    def estimate_ratio(self, count: int) -> float:
+        """Encoded bytes / float32 bytes for a part of `count` elements (1.0 when count is 0)."""
+        count = check_count(count)
+        return self.payload_bytes(count) / (4 * count) if count else 1.0
+
+    @abc.abstractmethod
+    def payload_bytes(self, count: int) -> int:
+        """Payload size this encoder produces for `count` elements."""
+
+    @abc.abstractmethod
+    def max_payload_bytes(self, count: int) -> int:
+        """Largest valid payload for `count` elements (the bound for lz4 decompression)."""
+
+    @abc.abstractmethod
+    def _encode(self, values: torch.Tensor) -> bytes:
+        """Encode validated, finite values."""
+
+    @abc.abstractmethod
+    def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
+        """Decode a byte view; validate everything read from it."""
+
+
+def byte_view(payload: Buffer) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous bytes-like object, without copying."""
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def view_as(payload: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    """A CPU tensor of `count` elements of `dtype` read in place from payload[offset:].
+
+    The tensor aliases the payload: read it or copy from it, never write to it or return it.
+    """
+    if count == 0:  # torch.frombuffer refuses empty buffers
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(payload, dtype=dtype, count=count, offset=offset)
+
+
+def read_scale(payload: memoryview, codec: str) -> float:
+    """The leading float32 scale of an int8 or sign payload; CodecError when NaN/Inf."""
+    (scale,) = _SCALE.unpack_from(payload, 0)
+    if not math.isfinite(scale):
+        raise CodecError(f"{codec}: scale is {scale}")
+    return scale
+
+
+def pack_scale(scale: float) -> bytes:
+    """A float32 scale as its 4 little-endian bytes."""
+    return _SCALE.pack(scale)
+
+
+def tensor_bytes(values: torch.Tensor) -> bytes:
+    """The raw bytes of a contiguous 1-D tensor of any dtype (numpy lacks bfloat16, bytes do not)."""
+    return values.view(torch.uint8).numpy().tobytes()
+
+
+def empty_values(count: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized 1-D float32 tensor for decoded values."""
+    if device.type == "cpu":
+        # numpy madvises large allocations to transparent huge pages; torch.empty does not, and the
+        # first-touch page faults of a 64 MiB torch tensor cost more than int8 dequantization itself.
+        return torch.from_numpy(np.empty(count, dtype=np.float32))
+    return torch.empty(count, dtype=torch.float32, device=device)
+
+
+def zero_values(count: int, device: torch.device) -> torch.Tensor:
+    """A zeroed 1-D float32 tensor (calloc'd on CPU, so untouched pages cost nothing)."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros(count, dtype=np.float32))
+    return torch.zeros(count, dtype=torch.float32, device=device)
+
+
+def check_finite(values: torch.Tensor, what: str) -> None:
+    """CodecError unless every element is finite (one min/max pass: NaN and Inf propagate)."""
+    if values.numel() == 0:
+        return
+    low, high = torch.aminmax(values)
+    if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+        raise CodecError(f"{what} contain NaN or Inf")
+
+
+def check_length(payload: memoryview, expected: int, codec: str, count: int) -> None:
+    """CodecError unless the payload has exactly the length its codec implies for `count`."""
+    if len(payload) != expected:
+        raise CodecError(f"{codec}: payload is {len(payload)} bytes, expected {expected} for {count} values")
+
+
+def check_count(count: int) -> int:
+    """CodecError on a negative element count."""
+    if count < 0:
+        raise CodecError(f"count must be >= 0, got {count}")
+    return int(count)
+
+
+def check_out(out: torch.Tensor) -> None:
+    """TypeError unless `out` can accumulate decoded values."""
+    if out.dtype != torch.float32 or out.dim() != 1:
+        raise TypeError(f"add_decoded accumulates into a 1-D float32 tensor, got {out.dtype} {tuple(out.shape)}")

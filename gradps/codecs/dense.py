@@ -1,0 +1,42 @@
+"""Dense float payloads: `count` values of one float type, little-endian (none, fp16, bf16)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from gradps.codecs.base import Codec, CodecError, check_finite, check_length, empty_values, tensor_bytes, view_as
+
+
+class DenseFloatCodec(Codec):
+    """Sends every value cast to `wire_dtype`; decoding widens back to float32 on the device."""
+
+    # Element type on the wire.
+    wire_dtype: ClassVar[torch.dtype]
+
+    def payload_bytes(self, count: int) -> int:
+        return count * self.wire_dtype.itemsize
+
+    def max_payload_bytes(self, count: int) -> int:
+        return self.payload_bytes(count)
+
+    def _encode(self, values: torch.Tensor) -> bytes:
+        wire = values.to(self.wire_dtype)
+        if self.wire_dtype is not torch.float32:  # a narrower type can overflow to Inf
+            try:
+                check_finite(wire, f"{self.name}: encoded values")
+            except CodecError:
+                peak = values.abs().max().item()
+                raise CodecError(
+                    f"{self.name}: |value| up to {peak:g} overflows {self.wire_dtype} (use bf16 or int8)"
+                ) from None
+        return tensor_bytes(wire)
+
+    def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
+        check_length(payload, self.payload_bytes(count), self.name, count)
+        # Move the raw (possibly narrower) buffer first, widen on the device; copy_ also detaches
+        # the result from the payload's memory.
+        out = empty_values(count, device).copy_(view_as(payload, self.wire_dtype, 0, count).to(device))
+        check_finite(out, f"{self.name}: decoded values")
+        return out

@@ -1,0 +1,81 @@
+"""CODEC_INT8: a float32 scale s, then `count` int8 values q; value = q * s.
+
+s = max|x| / 127 and q = round(x / s) clipped to [-127, 127], so the error per element is at most
+s / 2. With stochastic rounding q = floor(x / s + u), u ~ U[0, 1): unbiased, E[q * s] = x.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gradps.codecs.base import Codec, CodecError, check_length, empty_values, pack_scale, read_scale, view_as
+
+# Elements quantized per step: the float temporaries (4 MiB each) stay cache-sized instead of
+# allocating and faulting in a full-size float32 tensor per operation (2.5x faster at 64 MiB).
+_CHUNK = 1 << 20
+_TINY = float(torch.finfo(torch.float32).tiny)
+# Largest scale whose products q * s, |q| <= 128, stay finite in float32.
+_MAX_SCALE = float(torch.finfo(torch.float32).max) / 128
+
+
+class Int8Codec(Codec):
+    """Per-part absmax scaling to int8, round to nearest (default) or stochastic."""
+
+    name = "int8"
+    lossy = True
+
+    def __init__(self, stochastic_rounding: bool = False, generator: torch.Generator | None = None) -> None:
+        """`generator` drives stochastic rounding (torch's default generator when None)."""
+        self.stochastic_rounding = stochastic_rounding
+        self.generator = generator
+
+    def payload_bytes(self, count: int) -> int:
+        return 4 + count
+
+    def max_payload_bytes(self, count: int) -> int:
+        return 4 + count
+
+    def _encode(self, values: torch.Tensor) -> bytes:
+        count = values.numel()
+        out = np.empty(4 + count, dtype=np.uint8)
+        scale = 0.0
+        if count:
+            low, high = torch.aminmax(values)
+            peak = max(-low.item(), high.item())
+            scale = float(np.float32(peak / 127.0))
+            if scale > _MAX_SCALE:
+                raise CodecError(f"{self.name}: |value| up to {peak:g} is too large to quantize")
+        if scale < _TINY:
+            # All zeros, or so small that 1/scale overflows float32: send zeros with scale 0 (error
+            # feedback keeps the values in the residual).
+            scale = 0.0
+            out[4:] = 0
+        else:
+            self._quantize(values, 1.0 / scale, torch.from_numpy(out[4:]).view(torch.int8))
+        out[:4] = np.frombuffer(pack_scale(scale), dtype=np.uint8)
+        return out.tobytes()
+
+    def _quantize(self, values: torch.Tensor, inverse_scale: float, q: torch.Tensor) -> None:
+        tmp = torch.empty(min(_CHUNK, values.numel()), dtype=torch.float32)
+        noise = torch.empty_like(tmp) if self.stochastic_rounding else None
+        for start in range(0, values.numel(), _CHUNK):
+            chunk = values[start : start + _CHUNK]
+            scaled = torch.mul(chunk, inverse_scale, out=tmp[: chunk.numel()])
+            if noise is None:
+                scaled.round_()
+            else:
+                scaled.add_(torch.rand(chunk.numel(), generator=self.generator, out=noise[: chunk.numel()]))
+                scaled.floor_()
+            # x / s can exceed 127 by an ulp (s is rounded), and floor(127 + u) by one.
+            scaled.clamp_(-127.0, 127.0)
+            q[start : start + _CHUNK].copy_(scaled)
+
+    def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
+        check_length(payload, 4 + count, self.name, count)
+        scale = read_scale(payload, self.name)
+        if abs(scale) > _MAX_SCALE:  # q * s would overflow to Inf
+            raise CodecError(f"{self.name}: scale {scale:g} is too large")
+        # Ship the int8 buffer (a quarter of the float32 size) to the device, dequantize there.
+        out = empty_values(count, device).copy_(view_as(payload, torch.int8, 4, count).to(device))
+        return out.mul_(scale)

@@ -1,0 +1,15 @@
+"""CODEC_NONE: raw float32 values (the parameter server's tensors are float32)."""
+
+from __future__ import annotations
+
+import torch
+
+from gradps.codecs.dense import DenseFloatCodec
+
+
+class NoneCodec(DenseFloatCodec):
+    """Lossless: `count` float32 values, little-endian."""
+
+    name = "none"
+    lossy = False
+    wire_dtype = torch.float32

@@ -1,0 +1,47 @@
+"""CODEC_SIGN: a float32 scale s, then ceil(count / 8) bytes of sign bits, least significant bit
+first; bit 1 -> +s, bit 0 -> -s.
+
+s = mean |x| (EF-signSGD, Karimireddy et al. 2019). The encoder sets bit 1 for x > 0 and bit 0
+otherwise, so zeros are sent as -s (error feedback takes the difference back). Padding bits in the
+last byte are 0 and ignored by the decoder.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from gradps.codecs.base import Codec, CodecError, check_length, empty_values, pack_scale, read_scale, view_as
+
+
+class SignCodec(Codec):
+    """1 bit per element plus one scale per part."""
+
+    name = "sign"
+    lossy = True
+
+    def payload_bytes(self, count: int) -> int:
+        return 4 + (count + 7) // 8
+
+    def max_payload_bytes(self, count: int) -> int:
+        return self.payload_bytes(count)
+
+    def _encode(self, values: torch.Tensor) -> bytes:
+        count = values.numel()
+        scale = torch.linalg.vector_norm(values, 1).item() / count if count else 0.0
+        if not math.isfinite(float(np.float32(scale))):
+            raise CodecError(f"{self.name}: mean |value| {scale:g} overflows float32")
+        bits = np.packbits((values > 0).numpy(), bitorder="little")
+        return pack_scale(scale) + bits.tobytes()
+
+    def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
+        check_length(payload, self.payload_bytes(count), self.name, count)
+        scale = read_scale(payload, self.name)
+        packed = view_as(payload, torch.uint8, 4, (count + 7) // 8).to(device)
+        # Unpack on the device: byte b, bit j (LSB first) is element 8 * b + j.
+        shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        bits = packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).view(-1)[:count]
+        out = empty_values(count, device).copy_(bits)  # 0 or 1
+        return out.mul_(2.0 * scale).sub_(scale)

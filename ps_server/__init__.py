@@ -1,0 +1,1 @@
+"""Parameter-server side: the shard service and the coordinator service."""

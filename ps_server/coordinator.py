@@ -1,0 +1,410 @@
+"""The coordinator service: run registry, membership, placement table, metrics fan-in."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import click
+import grpc
+
+from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
+from gradps.placement import place
+from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
+from ps_server.run_spec import validate, with_defaults
+
+_LOGGER = logging.getLogger("gradps.coordinator")
+_ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
+# Shards keep the parameters of this many ended runs, so `gradps export` works after a run.
+_KEEP_ENDED_RUNS = 8
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: int
+    name: str
+    device: str
+    last_seen: float
+    alive: bool = True
+    run_id: str = ""
+
+
+@dataclass
+class RunRecord:
+    status: cpb.RunStatus
+    placement: shard_pb2.Placement | None = None
+    live: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    epoch: int = 0
+    latest: dict[int, cpb.Metrics] = field(default_factory=dict)
+    events: list[cpb.WatchRunResponse] = field(default_factory=list)
+    placement_lock: threading.Lock = field(default_factory=threading.Lock)
+    opened_on_shards: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.status.state in _ENDED
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """All state sits behind one condition variable; RPCs to shards are made outside it."""
+
+    def __init__(self, heartbeat_timeout_s: float = 5.0) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._cond = threading.Condition()
+        self._shards: list[tuple[str, str]] = []
+        self._shard_stubs: dict[str, shard_pb2_grpc.ShardServiceStub] = {}
+        self._workers: dict[int, WorkerRecord] = {}
+        self._runs: dict[str, RunRecord] = {}
+        self._next_worker_id = 0
+        self._stopped = threading.Event()
+        self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeats", daemon=True)
+        self._monitor.start()
+
+    def close(self) -> None:
+        self._stopped.set()
+
+    # ---- client -------------------------------------------------------------------------------
+
+    def SubmitRun(self, request, context):
+        spec = with_defaults(request.spec)
+        try:
+            validate(spec)
+            _check_model_and_dataset(spec)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+        status = cpb.RunStatus(run_id=run_id, spec=spec, state=cpb.RUN_STATE_PENDING, submitted_at=time.time())
+        with self._cond:
+            record = RunRecord(status=status)
+            self._runs[run_id] = record
+            self._event(record)
+            self._schedule()
+        _LOGGER.info("run %s submitted: %s/%s/%s", run_id, spec.scheme, spec.model, spec.dataset)
+        return cpb.SubmitRunResponse(run_id=run_id)
+
+    def GetRun(self, request, context):
+        with self._cond:
+            record = self._record(request.run_id, context)
+            return cpb.GetRunResponse(run=self._snapshot(record), placement=record.placement)
+
+    def ListRuns(self, request, context):
+        with self._cond:
+            return cpb.ListRunsResponse(runs=[self._snapshot(r) for r in self._runs.values()])
+
+    def StopRun(self, request, context):
+        with self._cond:
+            record = self._record(request.run_id, context)
+            if record.ended:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"run {request.run_id} already ended ({cpb.RunState.Name(record.status.state)})",
+                )
+            self._end(record, cpb.RUN_STATE_STOPPED, "stopped by a client")
+        return cpb.StopRunResponse()
+
+    def WatchRun(self, request, context) -> Iterator[cpb.WatchRunResponse]:
+        with self._cond:
+            record = self._record(request.run_id, context)
+        sent = 0
+        while context.is_active():
+            with self._cond:
+                self._cond.wait_for(lambda: len(record.events) > sent or record.ended, timeout=1.0)
+                new = record.events[sent:]
+                finished = record.ended and sent + len(new) == len(record.events)
+            yield from new
+            sent += len(new)
+            if finished:
+                return
+
+    def GetCluster(self, request, context):
+        with self._cond:
+            return cpb.GetClusterResponse(
+                shards=[address for address, _ in self._shards],
+                workers=[
+                    cpb.WorkerInfo(worker_id=w.worker_id, name=w.name, device=w.device, alive=w.alive, run_id=w.run_id)
+                    for w in self._workers.values()
+                ],
+            )
+
+    # ---- shards and workers -------------------------------------------------------------------
+
+    def RegisterShard(self, request, context):
+        if not request.address or ":" not in request.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard address must be HOST:PORT, got {request.address!r}")
+        with self._cond:
+            for index, (address, _) in enumerate(self._shards):
+                if address == request.address:
+                    return cpb.RegisterShardResponse(shard_index=index)
+            self._shards.append((request.address, request.device))
+            self._schedule()
+            _LOGGER.info("shard %d registered at %s", len(self._shards) - 1, request.address)
+            return cpb.RegisterShardResponse(shard_index=len(self._shards) - 1)
+
+    def JoinWorker(self, request, context):
+        with self._cond:
+            worker_id = self._next_worker_id
+            self._next_worker_id += 1
+            self._workers[worker_id] = WorkerRecord(worker_id, request.name, request.device, time.monotonic())
+            self._schedule()
+        _LOGGER.info("worker %d joined (%s, %s)", worker_id, request.name, request.device)
+        interval_ms = max(50, int(self.heartbeat_timeout_s * 1000 / 5))
+        return cpb.JoinWorkerResponse(worker_id=worker_id, heartbeat_interval_ms=interval_ms)
+
+    def Heartbeat(self, request, context):
+        with self._cond:
+            worker = self._workers.get(request.worker_id)
+            if worker is None or not worker.alive:
+                return cpb.HeartbeatResponse(rejoin=True, stop=bool(request.run_id))
+            worker.last_seen = time.monotonic()
+            record = self._runs.get(request.run_id)
+            stop = bool(request.run_id) and (record is None or record.ended)
+            return cpb.HeartbeatResponse(stop=stop)
+
+    def GetAssignment(self, request, context):
+        wait_s = request.wait_ms / 1000 if request.wait_ms else 10.0
+        with self._cond:
+            if request.worker_id not in self._workers:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}; join first")
+
+            def assigned() -> bool:
+                w = self._workers[request.worker_id]
+                return bool(w.run_id) or not w.alive
+
+            self._cond.wait_for(assigned, timeout=wait_s)
+            worker = self._workers[request.worker_id]
+            if not worker.run_id:
+                return cpb.GetAssignmentResponse()
+            status = self._runs[worker.run_id].status
+            return cpb.GetAssignmentResponse(
+                run_id=status.run_id,
+                spec=status.spec,
+                rank=list(status.workers).index(worker.worker_id),
+                workers=status.workers,
+            )
+
+    def GetPlacement(self, request, context):
+        with self._cond:
+            record = self._record(request.run_id, context)
+            shards = [address for address, _ in self._shards]
+        with record.placement_lock:
+            if record.placement is None:
+                try:
+                    placement = place(list(request.tensors), shards, record.status.spec.part_size)
+                except ValueError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                self._open_on_shards(record, placement, request.total_steps, context)
+                with self._cond:
+                    record.placement = placement
+                    record.opened_on_shards = True
+                    record.status.total_steps = request.total_steps
+                    self._close_old_runs()
+            elif list(record.placement.tensors) != list(request.tensors):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "tensors differ from those the run's first worker registered (same model and seed?)",
+                )
+        return cpb.GetPlacementResponse(placement=record.placement)
+
+    def ReportMetrics(self, request, context):
+        m = request.metrics
+        with self._cond:
+            record = self._record(request.run_id, context)
+            if record.ended:
+                return cpb.ReportMetricsResponse(stop=True)
+            record.latest[m.worker_id] = m
+            if m.total_steps:
+                record.status.total_steps = m.total_steps
+            if m.error:
+                self._end(record, cpb.RUN_STATE_FAILED, f"worker {m.worker_id}: {m.error}", metrics=m)
+                return cpb.ReportMetricsResponse(stop=True)
+            if m.done:
+                record.done.add(m.worker_id)
+                worker = self._workers.get(m.worker_id)
+                if worker is not None and worker.run_id == request.run_id:
+                    worker.run_id = ""
+            self._event(record, m)
+            self._maybe_complete(record)
+            self._schedule()
+        return cpb.ReportMetricsResponse()
+
+    # ---- internals (call with self._cond held unless noted) -----------------------------------
+
+    def _record(self, run_id: str, context) -> RunRecord:
+        record = self._runs.get(run_id)
+        if record is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id!r}")
+        return record
+
+    def _snapshot(self, record: RunRecord) -> cpb.RunStatus:
+        status = cpb.RunStatus()
+        status.CopyFrom(record.status)
+        status.latest.extend(record.latest[w] for w in sorted(record.latest))
+        return status
+
+    def _event(self, record: RunRecord, metrics: cpb.Metrics | None = None) -> None:
+        record.events.append(cpb.WatchRunResponse(run=self._snapshot(record), metrics=metrics))
+        self._cond.notify_all()
+
+    def _schedule(self) -> None:
+        """Give the oldest pending run its workers once enough are idle (gang scheduling)."""
+        if not self._shards:
+            return
+        for record in self._runs.values():
+            if record.status.state != cpb.RUN_STATE_PENDING:
+                continue
+            idle = sorted(w.worker_id for w in self._workers.values() if w.alive and not w.run_id)
+            need = record.status.spec.workers
+            if len(idle) < need:
+                return  # first come, first served: a big run is not starved by small ones
+            chosen = idle[:need]
+            for worker_id in chosen:
+                self._workers[worker_id].run_id = record.status.run_id
+            record.status.workers.extend(chosen)
+            record.live = set(chosen)
+            record.status.state = cpb.RUN_STATE_RUNNING
+            record.status.started_at = time.time()
+            self._event(record)
+            _LOGGER.info("run %s started on workers %s", record.status.run_id, chosen)
+
+    def _maybe_complete(self, record: RunRecord) -> None:
+        if record.status.state != cpb.RUN_STATE_RUNNING:
+            return
+        if record.live and record.live <= record.done:
+            self._end(record, cpb.RUN_STATE_COMPLETED, "")
+        elif not record.live:
+            if record.done:
+                self._end(record, cpb.RUN_STATE_COMPLETED, "finished by the surviving workers")
+            else:
+                self._end(record, cpb.RUN_STATE_FAILED, "every worker died")
+
+    def _end(self, record: RunRecord, state: int, message: str, metrics: cpb.Metrics | None = None) -> None:
+        record.status.state = state
+        record.status.message = message
+        record.status.finished_at = time.time()
+        for worker in self._workers.values():
+            if worker.run_id == record.status.run_id:
+                worker.run_id = ""
+        self._event(record, metrics)
+        self._schedule()
+        _LOGGER.info("run %s ended: %s %s", record.status.run_id, cpb.RunState.Name(state), message)
+
+    def _stub(self, address: str) -> shard_pb2_grpc.ShardServiceStub:
+        stub = self._shard_stubs.get(address)
+        if stub is None:
+            stub = shard_pb2_grpc.ShardServiceStub(open_channel(address))
+            self._shard_stubs[address] = stub
+        return stub
+
+    def _open_on_shards(self, record: RunRecord, placement: shard_pb2.Placement, total_steps: int, context) -> None:
+        """OpenRun on every shard (no lock held: shards may be slow to answer)."""
+        status = record.status
+        for index, address in enumerate(placement.shards):
+            request = shard_pb2.OpenRunRequest(
+                run_id=status.run_id,
+                spec=status.spec,
+                placement=placement,
+                shard_index=index,
+                workers=status.workers,
+                total_steps=total_steps,
+            )
+            try:
+                self._stub(address).OpenRun(request, timeout=30)
+            except grpc.RpcError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {index} at {address}: {e.details()}")
+
+    def _close_old_runs(self) -> None:
+        ended = [r for r in self._runs.values() if r.ended and r.placement is not None and r.opened_on_shards]
+        for record in ended[:-_KEEP_ENDED_RUNS] if len(ended) > _KEEP_ENDED_RUNS else []:
+            record.opened_on_shards = False
+            self._to_shards(record, "CloseRun", shard_pb2.CloseRunRequest(run_id=record.status.run_id))
+
+    def _to_shards(self, record: RunRecord, method: str, request) -> None:
+        """Send a control RPC to every shard of a run in the background (never under the lock)."""
+        addresses = list(record.placement.shards) if record.placement else []
+
+        def send() -> None:
+            for address in addresses:
+                try:
+                    getattr(self._stub(address), method)(request, timeout=10)
+                except grpc.RpcError as e:
+                    _LOGGER.warning("%s to shard %s failed: %s", method, address, e.details())
+
+        threading.Thread(target=send, daemon=True).start()
+
+    def _watch_heartbeats(self) -> None:
+        """Declare workers dead after the heartbeat timeout; shrink their run's membership."""
+        while not self._stopped.wait(min(0.25, self.heartbeat_timeout_s / 4)):
+            now = time.monotonic()
+            with self._cond:
+                for worker in self._workers.values():
+                    if not worker.alive or now - worker.last_seen <= self.heartbeat_timeout_s:
+                        continue
+                    worker.alive = False
+                    _LOGGER.warning("worker %d missed heartbeats: declared dead", worker.worker_id)
+                    record = self._runs.get(worker.run_id)
+                    worker.run_id = ""
+                    if record is None or record.status.state != cpb.RUN_STATE_RUNNING:
+                        continue
+                    record.live.discard(worker.worker_id)
+                    record.status.dead_workers.append(worker.worker_id)
+                    record.epoch += 1
+                    self._to_shards(
+                        record,
+                        "SetMembership",
+                        shard_pb2.SetMembershipRequest(
+                            run_id=record.status.run_id, epoch=record.epoch, live_workers=sorted(record.live)
+                        ),
+                    )
+                    self._event(record)
+                    self._maybe_complete(record)
+                self._cond.notify_all()
+
+
+def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
+    """Reject unknown built-in names early; import paths are resolved by the workers."""
+    from gradps.datasets import DATASETS
+    from gradps.models import model_names
+
+    if ":" not in spec.model and spec.model not in model_names():
+        raise ValueError(f"unknown model {spec.model!r}; choose one of {', '.join(model_names())} or package.module:function")
+    if ":" not in spec.dataset and spec.dataset not in DATASETS:
+        raise ValueError(
+            f"unknown dataset {spec.dataset!r}; choose one of {', '.join(DATASETS)} or package.module:function"
+        )
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--port", envvar="GRADPS_PORT", default=50051, type=int, help="Port to bind on [::] (0: any free).")
+@click.option(
+    "--heartbeat-timeout",
+    envvar="GRADPS_HEARTBEAT_TIMEOUT",
+    default=5.0,
+    type=click.FloatRange(min=0.1),
+    help="Seconds without a heartbeat before a worker is declared dead.",
+)
+@click.option("--port-file", envvar="GRADPS_PORT_FILE", default=None, help="Write the bound port here.")
+@click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
+def main(port: int, heartbeat_timeout: float, port_file: str | None, log_level: str) -> None:
+    """gradps coordinator: runs, worker membership, placement table and metrics."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s coordinator %(levelname)s %(message)s")
+    server = make_server(max_workers=64)
+    servicer = CoordinatorServicer(heartbeat_timeout)
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+    add_health(server, ["gradps.v1.CoordinatorService"])
+    bound = bind(server, port)
+    server.start()
+    write_port_file(port_file, bound)
+    _LOGGER.info("coordinator serving on port %d", bound)
+    serve_until_signal(server)
+    servicer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The optimizer a shard applies to each part, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradps.v1 import run_pb2
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "step", "cosine")
+
+
+def validate(spec: run_pb2.OptimizerSpec) -> None:
+    """Raise ValueError with an actionable message for a bad optimizer spec."""
+    if spec.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {spec.name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if not spec.lr > 0 or not math.isfinite(spec.lr):
+        raise ValueError(f"learning rate must be a positive number, got {spec.lr}")
+    if spec.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {spec.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if spec.nesterov and spec.momentum <= 0:
+        raise ValueError("nesterov needs momentum > 0")
+    if spec.momentum < 0 or spec.weight_decay < 0:
+        raise ValueError("momentum and weight decay must be >= 0")
+    if spec.schedule == "step" and (spec.step_size == 0 or not 0 < spec.gamma <= 1):
+        raise ValueError("the step schedule needs step_size >= 1 and gamma in (0, 1]")
+
+
+def learning_rate(spec: run_pb2.OptimizerSpec, update: int, total_steps: int) -> float:
+    """The learning rate for a part's `update`-th update (0-based)."""
+    lr = spec.lr
+    if spec.warmup_steps and update < spec.warmup_steps:
+        return lr * (update + 1) / spec.warmup_steps
+    if spec.schedule == "step":
+        return lr * spec.gamma ** (update // spec.step_size)
+    if spec.schedule == "cosine":
+        horizon = max(1, (spec.total_steps or total_steps) - spec.warmup_steps)
+        progress = min(1.0, (update - spec.warmup_steps) / horizon)
+        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr
+
+
+class PartOptimizer:
+    """A torch optimizer over one flat part. Every rule is elementwise, so parts are independent."""
+
+    def __init__(self, values: torch.Tensor, spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
+        self.param = torch.nn.Parameter(values, requires_grad=False)
+        self.spec = spec
+        self.total_steps = total_steps
+        self.updates = 0
+        # foreach kernels: one launch over the part instead of a Python loop over tensors.
+        if spec.name == "sgd":
+            self.opt = torch.optim.SGD(
+                [self.param],
+                lr=spec.lr,
+                momentum=spec.momentum,
+                nesterov=spec.nesterov,
+                weight_decay=spec.weight_decay,
+                foreach=True,
+            )
+        else:
+            cls = torch.optim.Adam if spec.name == "adam" else torch.optim.AdamW
+            self.opt = cls(
+                [self.param],
+                lr=spec.lr,
+                betas=(spec.beta1 or 0.9, spec.beta2 or 0.999),
+                eps=spec.eps or 1e-8,
+                weight_decay=spec.weight_decay,
+                foreach=True,
+            )
+
+    def apply(self, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+        """w <- opt(w, grad) with the scheduled learning rate times `lr_scale`."""
+        self.opt.param_groups[0]["lr"] = learning_rate(self.spec, self.updates, self.total_steps) * lr_scale
+        self.param.grad = grad
+        self.opt.step()
+        self.param.grad = None
+        self.updates += 1

@@ -1,0 +1,93 @@
+"""What a shard holds for one run: its parts, their versions and optimizer state, its members."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from gradps.placement import PartKey
+from gradps.v1 import run_pb2, shard_pb2
+from ps_server.optimizer import PartOptimizer
+
+
+@dataclass
+class Part:
+    """One part of a tensor, owned by this shard."""
+
+    # Tensor name and part index.
+    key: PartKey
+    # First element in the flattened tensor, and element count.
+    offset: int
+    count: int
+    # The optimizer; its parameter is the part's values (flat float32 on the shard's device).
+    optimizer: PartOptimizer
+    # Updates applied so far.
+    version: int = 0
+    # False until a worker uploaded initial values.
+    initialised: bool = False
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.optimizer.param.data
+
+
+@dataclass
+class Push:
+    """One validated, decoded push: a gradient for some of this shard's parts."""
+
+    worker_id: int
+    step: int
+    grads: dict[PartKey, torch.Tensor]
+    # Version each part's gradient was computed on.
+    versions: dict[PartKey, int]
+
+
+class PushRejected(Exception):
+    """A push that is well-formed but not acceptable now (e.g. a step ahead of the shard)."""
+
+
+@dataclass
+class RunState:
+    """A run on one shard. `cond` guards everything; readers wait on it for new versions."""
+
+    run_id: str
+    spec: run_pb2.RunSpec
+    placement: shard_pb2.Placement
+    shard_index: int
+    device: torch.device
+    total_steps: int
+    parts: dict[PartKey, Part]
+    live_workers: set[int]
+    membership_epoch: int = 0
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    # Last step pushed by each worker: a retried push is applied once.
+    last_step: dict[int, int] = field(default_factory=dict)
+    pushes: int = 0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+
+    @classmethod
+    def open(cls, request: shard_pb2.OpenRunRequest, device: torch.device) -> RunState:
+        """Allocate zeroed parts for every part the placement gives this shard."""
+        parts = {}
+        for p in request.placement.parts:
+            if p.shard != request.shard_index:
+                continue
+            values = torch.zeros(p.count, dtype=torch.float32, device=device)
+            optimizer = PartOptimizer(values, request.spec.optimizer, request.total_steps)
+            parts[(p.name, p.index)] = Part((p.name, p.index), p.offset, p.count, optimizer)
+        return cls(
+            run_id=request.run_id,
+            spec=request.spec,
+            placement=request.placement,
+            shard_index=request.shard_index,
+            device=device,
+            total_steps=request.total_steps,
+            parts=parts,
+            live_workers=set(request.workers),
+        )
+
+    def param_bytes(self) -> int:
+        return sum(p.count * 4 for p in self.parts.values())

@@ -1,0 +1,272 @@
+"""The shard service: a slice of every run's parameters, updated by the run's scheme rule."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import click
+import grpc
+import torch
+
+from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
+from gradps.device import resolve_device
+from gradps.codecs import CodecError, decode_part, encode_part
+from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
+from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
+from ps_server.schemes import RULES, ShardRule
+
+_LOGGER = logging.getLogger("gradps.shard")
+_DEFAULT_WAIT_S = 60.0
+_PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
+
+
+class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
+    """Runs by id; each run has its own lock, so runs never contend."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._runs: dict[str, tuple[RunState, ShardRule]] = {}
+        self._lock = threading.Lock()
+
+    def _run(self, run_id: str, context: grpc.ServicerContext) -> tuple[RunState, ShardRule]:
+        with self._lock:
+            found = self._runs.get(run_id)
+        if found is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id!r} on this shard")
+        return found
+
+    def OpenRun(self, request, context):
+        if request.spec.scheme not in RULES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown scheme {request.spec.scheme!r}")
+        run = RunState.open(request, self.device)
+        with self._lock:
+            if request.run_id not in self._runs:
+                self._runs[request.run_id] = (run, RULES[request.spec.scheme](run))
+        _LOGGER.info("run %s: %d parts, %d bytes", request.run_id, len(run.parts), run.param_bytes())
+        return shard_pb2.OpenRunResponse()
+
+    def CloseRun(self, request, context):
+        with self._lock:
+            self._runs.pop(request.run_id, None)
+        return shard_pb2.CloseRunResponse()
+
+    def SetMembership(self, request, context):
+        run, rule = self._run(request.run_id, context)
+        with run.cond:
+            if request.epoch > run.membership_epoch:
+                run.membership_epoch = request.epoch
+                run.live_workers = set(request.live_workers)
+                rule.membership_changed()
+                run.cond.notify_all()
+        return shard_pb2.SetMembershipResponse()
+
+    def RegisterTensors(self, request_iterator, context):
+        decoded: list[tuple[Part, torch.Tensor]] = []
+        run = None
+        for request in request_iterator:
+            if run is None:
+                run, _ = self._run(request.run_id, context)
+            elif request.run_id != run.run_id:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one RegisterTensors call per run")
+            part = self._part(run, request.part, context)
+            decoded.append((part, self._decode(part, request.part, context)))
+        if run is None:
+            return shard_pb2.RegisterTensorsResponse()
+        initialised = 0
+        with run.cond:
+            for part, values in decoded:
+                if not part.initialised:
+                    part.values.copy_(values)
+                    part.initialised = True
+                    initialised += 1
+            run.cond.notify_all()
+        return shard_pb2.RegisterTensorsResponse(initialised=initialised)
+
+    def Pull(self, request, context) -> Iterator[shard_pb2.PullResponse]:
+        run, _ = self._run(request.run_id, context)
+        if request.codec.codec not in _PULL_CODECS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pull codec must be none, fp16 or bf16")
+        if request.parts:
+            parts = []
+            for ref in request.parts:
+                part = run.parts.get((ref.name, ref.index))
+                if part is None:
+                    context.abort(
+                        grpc.StatusCode.NOT_FOUND, f"part {ref.name}/{ref.index} is not on this shard"
+                    )
+                parts.append(part)
+        else:
+            parts = list(run.parts.values())
+        wait_s = request.wait_ms / 1000 if request.wait_ms else _DEFAULT_WAIT_S
+        snapshot = []
+        with run.cond:
+
+            def ready() -> bool:
+                return all(p.initialised and p.version >= request.min_version for p in parts)
+
+            if not run.cond.wait_for(ready, timeout=wait_s):
+                context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"parts not at version {request.min_version} after {wait_s:.1f}s",
+                )
+            # The encoded bytes are the snapshot: one copy, taken under the lock.
+            for p in parts:
+                payload, lz4 = encode_part(p.values.cpu(), request.codec, lz4_threshold=None)
+                snapshot.append((p, payload, lz4, p.version))
+        for p, payload, lz4, version in snapshot:
+            with run.cond:
+                run.bytes_pulled += len(payload)
+            yield shard_pb2.PullResponse(
+                part=tensor_pb2.TensorPart(
+                    name=p.key[0],
+                    index=p.key[1],
+                    offset=p.offset,
+                    count=p.count,
+                    dtype=tensor_pb2.DTYPE_FLOAT32,
+                    codec=request.codec,
+                    payload=payload,
+                    version=version,
+                    lz4=lz4,
+                )
+            )
+
+    def Push(self, request_iterator, context):
+        run = None
+        grads: dict[PartKey, torch.Tensor] = {}
+        versions: dict[PartKey, int] = {}
+        nbytes = 0
+        header = None
+        # Validate and decode the whole push before touching any state: a bad part changes nothing.
+        for request in request_iterator:
+            if run is None:
+                run, rule = self._run(request.run_id, context)
+                header = (request.run_id, request.worker_id, request.step)
+            elif (request.run_id, request.worker_id, request.step) != header:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "all parts of a push need the same run, worker and step"
+                )
+            part = self._part(run, request.part, context)
+            if part.key in grads:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice"
+                )
+            grad = self._decode(part, request.part, context)
+            if not bool(torch.isfinite(grad).all()):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"gradient of {part.key[0]}/{part.key[1]} has NaN or Inf",
+                )
+            grads[part.key] = grad
+            versions[part.key] = request.part.version
+            nbytes += len(request.part.payload)
+        if run is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
+        _, worker_id, step = header
+        with run.cond:
+            if worker_id not in run.live_workers:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker_id} is not a live member of the run"
+                )
+            if step <= run.last_step.get(worker_id, -1):
+                return shard_pb2.PushResponse(parts=len(grads), applied=False)
+            try:
+                staleness = rule.push(Push(worker_id, step, grads, versions))
+            except PushRejected as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            run.last_step[worker_id] = step
+            run.pushes += 1
+            run.bytes_pushed += nbytes
+            run.cond.notify_all()
+        return shard_pb2.PushResponse(parts=len(grads), staleness=staleness, applied=True)
+
+    def GetStats(self, request, context):
+        run, _ = self._run(request.run_id, context)
+        with run.cond:
+            return shard_pb2.GetStatsResponse(
+                parts=len(run.parts),
+                param_bytes=run.param_bytes(),
+                pushes=run.pushes,
+                bytes_pushed=run.bytes_pushed,
+                bytes_pulled=run.bytes_pulled,
+                min_version=min((p.version for p in run.parts.values()), default=0),
+                device=str(self.device),
+            )
+
+    @staticmethod
+    def _part(run: RunState, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> Part:
+        part = run.parts.get((msg.name, msg.index))
+        if part is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown tensor part {msg.name}/{msg.index} in this shard")
+        if msg.dtype != tensor_pb2.DTYPE_FLOAT32:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"part {msg.name}/{msg.index}: dtype {tensor_pb2.DType.Name(msg.dtype)}, expected DTYPE_FLOAT32",
+            )
+        if msg.offset != part.offset or msg.count != part.count:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"part {msg.name}/{msg.index}: shape mismatch, got offset {msg.offset} count {msg.count}, "
+                f"expected offset {part.offset} count {part.count}",
+            )
+        return part
+
+    def _decode(self, part: Part, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> torch.Tensor:
+        try:
+            return decode_part(msg.payload, msg.lz4, msg.codec, part.count, self.device)
+        except CodecError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
+
+
+def register_with_coordinator(coordinator: str, address: str, device: str, timeout_s: float = 60.0) -> int:
+    """Announce this shard; retry while the coordinator starts (compose starts them together)."""
+    deadline = time.monotonic() + timeout_s
+    with open_channel(coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        while True:
+            try:
+                response = stub.RegisterShard(
+                    coordinator_pb2.RegisterShardRequest(address=address, device=device), timeout=5
+                )
+                return response.shard_index
+            except grpc.RpcError as e:
+                if time.monotonic() > deadline:
+                    raise click.ClickException(f"cannot reach coordinator at {coordinator}: {e.details()}") from None
+                time.sleep(0.5)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--port", envvar="GRADPS_PORT", default=50052, type=int, help="Port to bind on [::] (0: any free).")
+@click.option("--coordinator", envvar="GRADPS_COORDINATOR", required=True, help="Coordinator HOST:PORT.")
+@click.option(
+    "--advertise-host",
+    envvar="GRADPS_ADVERTISE_HOST",
+    default=socket.gethostname(),
+    help="Host name by which workers reach this shard.",
+)
+@click.option("--device", envvar="GRADPS_DEVICE", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--port-file", envvar="GRADPS_PORT_FILE", default=None, help="Write the bound port here.")
+@click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
+def main(port: int, coordinator: str, advertise_host: str, device: str, port_file: str | None, log_level: str) -> None:
+    """gradps shard: holds parts of the parameters and applies the run's update rule."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s shard %(levelname)s %(message)s")
+    try:
+        torch_device = resolve_device(device)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
+    server = make_server()
+    shard_pb2_grpc.add_ShardServiceServicer_to_server(ShardServicer(torch_device), server)
+    add_health(server, ["gradps.v1.ShardService"])
+    bound = bind(server, port)
+    server.start()
+    index = register_with_coordinator(coordinator, f"{advertise_host}:{bound}", str(torch_device))
+    write_port_file(port_file, bound)
+    _LOGGER.info("shard %d serving on port %d (%s)", index, bound, torch_device)
+    serve_until_signal(server)
+
+
+if __name__ == "__main__":
+    main()

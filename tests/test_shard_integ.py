@@ -1,0 +1,198 @@
+"""Integration tests of the shard and coordinator services: real processes, the test as worker."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.ps_client import ParameterClient, tensor_specs
+from gpu_worker.session import WorkerSession
+from gradps.channel import open_channel
+from gradps.placement import shard_bytes
+from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
+
+NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
+
+
+def _start_run(address: str, spec: run_pb2.RunSpec, tensors: dict[str, torch.Tensor], n_workers: int = 1):
+    """Submit a run, join `n_workers` sessions as its workers, create the placement."""
+    from client.sdk import Client
+
+    with Client(address) as client:
+        run_id = client.submit(spec)
+    sessions = [WorkerSession(address, name=f"test-{i}") for i in range(n_workers)]
+    assignments = [s.wait_for_assignment(wait_s=10) for s in sessions]
+    assert all(a is not None and a.run_id == run_id for a in assignments)
+    placement = sessions[0].placement(run_id, tensor_specs(tensors), total_steps=100)
+    clients = [ParameterClient(placement, run_id, s.worker_id, NONE, NONE, timeout_s=10) for s in sessions]
+    return run_id, sessions, clients, placement
+
+
+def _close(sessions, clients):
+    for c in clients:
+        c.close()
+    for s in sessions:
+        s.close()
+
+
+def test_parts_balanced_over_three_shards_and_large_tensor_round_trips(shards_only):
+    torch.manual_seed(0)
+    # 1 MiB parts: "big" (3 MiB + a bit) is cut into 4 parts.
+    tensors = {
+        "big": torch.randn(1024, 770),
+        "w1": torch.randn(300, 300),
+        "w2": torch.randn(256, 512),
+        "b": torch.randn(17),
+    }
+    spec = run_pb2.RunSpec(scheme="asgd", workers=1, part_size=1 << 20, steps=100)
+    run_id, sessions, clients, placement = _start_run(shards_only.address, spec, tensors)
+    try:
+        clients[0].register(tensors)
+        load = shard_bytes(placement)
+        largest_part = max(p.count for p in placement.parts) * 4
+        assert len(load) == 3 and all(b > 0 for b in load)
+        assert max(load) - min(load) <= largest_part, load
+        # The shards report the same split.
+        for address, expected in zip(placement.shards, load, strict=True):
+            with open_channel(address) as ch:
+                stats = shard_pb2_grpc.ShardServiceStub(ch).GetStats(shard_pb2.GetStatsRequest(run_id=run_id))
+            assert stats.param_bytes == expected and stats.parts > 0
+        assert len([p for p in placement.parts if p.name == "big"]) == 4
+        pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        clients[0].pull(pulled)
+        for name, t in tensors.items():
+            assert torch.equal(pulled[name], t), name  # bit-exact
+    finally:
+        _close(sessions, clients)
+
+
+def _push_raw(stub, run_id: str, worker_id: int, part: tensor_pb2.TensorPart, step: int = 0):
+    return stub.Push(iter([shard_pb2.PushRequest(run_id=run_id, worker_id=worker_id, step=step, part=part)]))
+
+
+def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
+    tensors = {"w": torch.randn(64, 32), "v": torch.randn(100)}
+    spec = run_pb2.RunSpec(scheme="asgd", workers=1, steps=100)
+    run_id, sessions, clients, placement = _start_run(shards_only.address, spec, tensors)
+    try:
+        clients[0].register(tensors)
+        p = next(p for p in placement.parts if p.name == "w")
+        good = np.ones(p.count, dtype=np.float32).tobytes()
+
+        def part(**overrides) -> tensor_pb2.TensorPart:
+            fields = dict(
+                name="w", index=0, offset=p.offset, count=p.count, dtype=tensor_pb2.DTYPE_FLOAT32,
+                codec=NONE, payload=good,
+            )
+            fields.update(overrides)
+            return tensor_pb2.TensorPart(**fields)
+
+        cases = [
+            ("no-such-run", part(), grpc.StatusCode.NOT_FOUND, "unknown run"),
+            (run_id, part(name="nope"), grpc.StatusCode.NOT_FOUND, "unknown tensor"),
+            (run_id, part(count=p.count - 1), grpc.StatusCode.INVALID_ARGUMENT, "shape mismatch"),
+            (run_id, part(dtype=tensor_pb2.DTYPE_FLOAT16), grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+            (run_id, part(payload=good[:-3]), grpc.StatusCode.INVALID_ARGUMENT, ""),
+            (run_id, part(payload=np.full(p.count, np.nan, np.float32).tobytes()),
+             grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+        ]
+        with open_channel(placement.shards[p.shard]) as ch:
+            stub = shard_pb2_grpc.ShardServiceStub(ch)
+            for rid, bad, code, words in cases:
+                with pytest.raises(grpc.RpcError) as err:
+                    _push_raw(stub, rid, sessions[0].worker_id, bad)
+                assert err.value.code() == code, (bad.name, err.value.details())
+                assert words in err.value.details()
+                assert "\n" not in err.value.details()
+            # A push whose second part is bad is rejected whole: its good first part is not applied.
+            other = next(q for q in placement.parts if q.shard == p.shard and q.name != "w") if any(
+                q.shard == p.shard and q.name != "w" for q in placement.parts) else None
+            if other is not None:
+                first = tensor_pb2.TensorPart(name=other.name, index=other.index, offset=other.offset,
+                                              count=other.count, dtype=tensor_pb2.DTYPE_FLOAT32, codec=NONE,
+                                              payload=np.ones(other.count, np.float32).tobytes())
+                with pytest.raises(grpc.RpcError):
+                    stub.Push(iter([
+                        shard_pb2.PushRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=0, part=first),
+                        shard_pb2.PushRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=0,
+                                              part=part(payload=good[:5])),
+                    ]))
+        pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        clients[0].pull(pulled)
+        for name, t in tensors.items():
+            assert torch.equal(pulled[name], t), f"{name} changed after rejected pushes"
+        # And a good push still works afterwards (and is applied exactly once when retried).
+        with open_channel(placement.shards[p.shard]) as ch:
+            stub = shard_pb2_grpc.ShardServiceStub(ch)
+            assert _push_raw(stub, run_id, sessions[0].worker_id, part(), step=5).applied
+            assert not _push_raw(stub, run_id, sessions[0].worker_id, part(), step=5).applied
+        clients[0].pull(pulled)
+        lr = 0.05
+        assert torch.allclose(pulled["w"].view(-1)[: p.count], tensors["w"].view(-1)[: p.count] - lr)
+    finally:
+        _close(sessions, clients)
+
+
+def test_sync_reduction_equals_sgd_on_concatenated_batches(shards_only):
+    from gradps.datasets import load_dataset
+    from gradps.evaluation import compute_loss
+    from gradps.models import build_model
+
+    data = load_dataset("digits")
+    torch.manual_seed(3)
+    reference = build_model("mlp", data)
+    replicas = [build_model("mlp", data) for _ in range(2)]
+    for r in replicas:
+        r.load_state_dict(reference.state_dict())
+    params = dict(reference.named_parameters())
+    lr, momentum = 0.1, 0.9
+    spec = run_pb2.RunSpec(
+        scheme="sync", workers=2, steps=100,
+        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr, momentum=momentum),
+    )
+    run_id, sessions, clients, _ = _start_run(
+        shards_only.address, spec, {n: p.detach() for n, p in params.items()}, n_workers=2
+    )
+    try:
+        clients[0].register(params)
+        clients[1].register(params)
+        opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum)
+        for step in range(3):
+            batches = [torch.arange(64 * step + 32 * i, 64 * step + 32 * (i + 1)) for i in range(2)]
+            for replica, client, idx in zip(replicas, clients, batches, strict=True):
+                replica.zero_grad()
+                compute_loss(replica, data.train_x[idx], data.train_y[idx], data.task).backward()
+                client.push({n: p.grad for n, p in replica.named_parameters()}, step)
+            for replica, client in zip(replicas, clients, strict=True):
+                with torch.no_grad():
+                    client.pull(dict(replica.named_parameters()), min_version=step + 1)
+            opt.zero_grad()
+            idx = torch.cat(batches)
+            compute_loss(reference, data.train_x[idx], data.train_y[idx], data.task).backward()
+            opt.step()
+            for replica in replicas:
+                for (name, p), q in zip(reference.named_parameters(), replica.parameters(), strict=True):
+                    torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        _close(sessions, clients)
+
+
+def test_pull_times_out_cleanly_when_version_never_comes(shards_only):
+    tensors = {"w": torch.randn(8)}
+    spec = run_pb2.RunSpec(scheme="sync", workers=1, steps=10)
+    run_id, sessions, clients, placement = _start_run(shards_only.address, spec, tensors)
+    try:
+        clients[0].register(tensors)
+        with open_channel(placement.shards[placement.parts[0].shard]) as ch:
+            stub = shard_pb2_grpc.ShardServiceStub(ch)
+            began = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Pull(shard_pb2.PullRequest(run_id=run_id, min_version=5, wait_ms=300)))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - began < 10
+    finally:
+        _close(sessions, clients)

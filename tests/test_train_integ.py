@@ -1,0 +1,134 @@
+"""End-to-end runs on a local cluster of real processes: train, export, several runs, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from client.local_cluster import LocalCluster
+from client.report import follow
+from client.sdk import Client
+from gradps.datasets import load_dataset
+from gradps.evaluation import evaluate
+from gradps.models import build_model
+from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import run_pb2
+
+
+def _spec(scheme: str, **kw) -> run_pb2.RunSpec:
+    base = dict(
+        scheme=scheme, workers=2, batch_size=32, epochs=4, eval_every=0,
+        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1, momentum=0.9),
+    )
+    base.update(kw)
+    return run_pb2.RunSpec(**base)
+
+
+def test_runs_back_to_back_and_export_reproduces_accuracy(cluster, client, tmp_path):
+    summaries = []
+    for scheme in ("asgd", "sync"):
+        run_id = client.submit(_spec(scheme))
+        summaries.append(follow(client, run_id, tmp_path / run_id, show_progress=False))
+    for s in summaries:
+        assert s["state"] == "completed", s
+        assert s["final_test_accuracy"] > 0.8, s
+        assert s["bytes_pushed"] > 0 and s["bytes_pulled"] > 0
+        lines = (tmp_path / s["run_id"] / "metrics.jsonl").read_text().splitlines()
+        assert lines and all("step" in json.loads(line) for line in lines)
+    # Export the sync run: loading it into a fresh model reproduces the reported accuracy.
+    state = client.export_state_dict(summaries[1]["run_id"])
+    data = load_dataset("digits")
+    model = build_model("mlp", data)
+    model.load_state_dict(state)
+    _, accuracy = evaluate(model, data)
+    assert accuracy == pytest.approx(summaries[1]["final_test_accuracy"], abs=1e-9)
+
+
+def test_unknown_model_is_rejected_at_submit(cluster, client):
+    from client.sdk import GradpsError
+
+    with pytest.raises(GradpsError, match="unknown model 'nope'"):
+        client.submit(_spec("sync", model="nope"))
+    with pytest.raises(GradpsError, match="INVALID_ARGUMENT"):
+        client.submit(_spec("sync", batch_size=0, steps=0, epochs=-1))
+
+
+def test_stop_run_releases_workers(cluster, client):
+    run_id = client.submit(_spec("asgd", steps=100000))
+    deadline = time.monotonic() + 30
+    while client.run(run_id).run.state != cpb.RUN_STATE_RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    client.stop(run_id)
+    assert client.run(run_id).run.state == cpb.RUN_STATE_STOPPED
+    # The workers come back to the pool and take the next run.
+    nxt = client.submit(_spec("sync", steps=5))
+    for _ in client.watch(nxt):
+        pass
+    assert client.run(nxt).run.state == cpb.RUN_STATE_COMPLETED
+
+
+@pytest.fixture(scope="module")
+def four_workers():
+    with LocalCluster(shards=2, workers=4, heartbeat_timeout_s=1.0) as c:
+        yield c
+
+
+@pytest.mark.parametrize("scheme", ["sync", "asgd"])
+def test_sigkill_of_a_worker_does_not_hang_the_run(four_workers, scheme, tmp_path):
+    with Client(four_workers.address) as client:
+        run_id = client.submit(_spec(scheme, steps=600))
+        victim = None
+        deadline = time.monotonic() + 60
+        while victim is None:
+            assert time.monotonic() < deadline, "run made no progress"
+            run = client.run(run_id).run
+            if run.state == cpb.RUN_STATE_RUNNING and any(m.step >= 20 for m in run.latest):
+                worker_id = run.workers[1]
+                name = next(w.name for w in client.cluster().workers if w.worker_id == worker_id)
+                victim = four_workers.workers[int(name.rsplit("-", 1)[1])]
+            time.sleep(0.05)
+        victim.send_signal(signal.SIGKILL)
+        summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "completed", summary
+    assert summary["dead_workers"] == [worker_id]
+    assert summary["steps"] == 600
+
+
+def test_cli_errors_are_one_line():
+    env = dict(os.environ)
+    cases = [
+        (["runs", "--coordinator", "127.0.0.1:1"], "no coordinator reachable at 127.0.0.1:1"),
+        (["train"], "give exactly one of --local or --coordinator"),
+        (["train", "--local", "--codec", "zip"], "unknown codec"),
+        (["train", "--local", "--straggler", "x"], "RANK:FACTOR"),
+    ]
+    for args, words in cases:
+        r = subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, env=env,
+                           timeout=60)
+        assert r.returncode != 0
+        assert words in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["asgd", "sync"])
+def test_cli_train_local_reaches_95_percent(scheme, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "client.cli", "train", "--local", "--scheme", scheme, "--no-progress",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("run_id", "scheme", "model", "dataset", "workers", "shards", "steps", "wall_seconds",
+                "samples_per_second", "final_test_accuracy", "final_loss", "bytes_pushed", "bytes_pulled"):
+        assert key in summary
+    assert summary["scheme"] == scheme and summary["workers"] == 2 and summary["shards"] == 2
+    assert summary["final_test_accuracy"] >= 0.95, summary
