@@ -54,9 +54,7 @@ class Dataset:
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
-            raise ValueError(
-                f"dataset {self.name!r}: task must be one of {', '.join(TASKS)}, got {self.task!r}"
-            )
+            raise ValueError(f"dataset {self.name!r}: task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.num_classes < 1:
             raise ValueError(f"dataset {self.name!r}: num_classes must be >= 1, got {self.num_classes}")
         for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
@@ -98,9 +96,7 @@ def load_dataset(name: str, size: int = 0, seed: int = 0) -> Dataset:
             ) from err
         dataset = factory(size, seed)
         if not isinstance(dataset, Dataset):
-            raise TypeError(
-                f"dataset function {name!r} returned {type(dataset).__name__}, expected a Dataset"
-            )
+            raise TypeError(f"dataset function {name!r} returned {type(dataset).__name__}, expected a Dataset")
         return dataset
     raise ValueError(
         f"unknown dataset {name!r}: expected one of {', '.join(_BUILTIN_NAMES)} or 'package.module:function'"
@@ -169,8 +165,8 @@ def _digits() -> Dataset:
 def _synthetic_images(n_train: int, n_test: int, seed: int) -> Dataset:
     generator = torch.Generator().manual_seed(seed)
     # Smooth class patterns (4x4 upsampled to 32x32, std _IMAGE_SIGNAL) buried in much stronger
-    # pixel noise: spatially coherent signal that a conv net learns to ~97% in a few hundred steps
-    # while an MLP overfits the noise (~75%), so the task separates models and schemes.
+    # pixel noise (SNR 0.1 per pixel): learnable (the MLP and the CNN reach ~96-98% test accuracy in
+    # 300 SGD steps) yet not solved in a handful of steps, so schemes can be told apart.
     low_res = torch.randn(_IMAGE_CLASSES, _IMAGE_SHAPE[0], 4, 4, generator=generator)
     patterns = F.interpolate(low_res, size=_IMAGE_SHAPE[1:], mode="bilinear", align_corners=False)
     patterns = _IMAGE_SIGNAL * patterns / patterns.std()
@@ -208,9 +204,7 @@ def _synthetic_tokens(n_train: int, n_test: int, seed: int) -> Dataset:
         for i in range(1, _TOKEN_SEQ_LEN + 1):
             follows = torch.rand(n, generator=generator) < _TOKEN_RULE_PROB
             random_tokens = torch.randint(0, _TOKEN_VOCAB, (n,), generator=generator)
-            tokens[:, i] = torch.where(
-                follows, (multiplier * tokens[:, i - 1] + offset) % _TOKEN_VOCAB, random_tokens
-            )
+            tokens[:, i] = torch.where(follows, (multiplier * tokens[:, i - 1] + offset) % _TOKEN_VOCAB, random_tokens)
         return tokens
 
     train, test = draw(n_train), draw(n_test)

@@ -11,15 +11,11 @@ from torch import nn
 from gradps.datasets import TASKS, Dataset
 
 
-def _classification_loss(
-    logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
-) -> torch.Tensor:
+def _classification_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     return F.cross_entropy(logits, targets, reduction=reduction)
 
 
-def _language_model_loss(
-    logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
-) -> torch.Tensor:
+def _language_model_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     # Every token position is one classification: (B, T, V) against (B, T).
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
 
@@ -55,7 +51,8 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> tuple
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     loss = loss_fn(dataset.task)
-    device = next(model.parameters()).device
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
     was_training = model.training
     model.eval()
     total_loss = 0.0

@@ -98,9 +98,7 @@ class ResNet18(nn.Module):
     def __init__(self, image_shape: tuple[int, int, int], num_classes: int) -> None:
         super().__init__()
         self.image_shape = image_shape
-        self.stem = nn.Sequential(
-            nn.Conv2d(image_shape[0], 64, 3, padding=1, bias=False), _batch_norm(64), nn.ReLU()
-        )
+        self.stem = nn.Sequential(nn.Conv2d(image_shape[0], 64, 3, padding=1, bias=False), _batch_norm(64), nn.ReLU())
         stages: list[nn.Module] = []
         in_channels = 64
         for stage, width in enumerate((64, 128, 256, 512)):
@@ -147,9 +145,7 @@ class CausalTransformer(nn.Module):
         positions = torch.arange(length, device=tokens.device)
         hidden = self.token_embedding(tokens) + self.position_embedding(positions)
         # Made per call rather than stored, because a stored mask would be a buffer.
-        mask = nn.Transformer.generate_square_subsequent_mask(
-            length, device=tokens.device, dtype=hidden.dtype
-        )
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device, dtype=hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, src_mask=mask, is_causal=True)
         return self.head(self.norm(hidden))
@@ -158,16 +154,14 @@ class CausalTransformer(nn.Module):
 def _image_shape(dataset: Dataset) -> tuple[int, int, int]:
     """(channels, height, width) for a conv net: flat square inputs such as digits become 1xSxS."""
     shape = tuple(dataset.input_shape)
-    if len(shape) == 3:
-        return shape  # type: ignore[return-value]
-    if len(shape) == 2:
-        return (1, *shape)  # type: ignore[return-value]
-    side = math.isqrt(shape[0]) if len(shape) == 1 else 0
-    if side * side != shape[0] or side == 0:
-        raise ValueError(
-            f"dataset {dataset.name!r}: input_shape {shape} is not (C, H, W), (H, W) or a flat square image"
-        )
-    return (1, side, side)
+    match shape:
+        case (channels, height, width):
+            return (channels, height, width)
+        case (height, width):
+            return (1, height, width)
+        case (features,) if math.isqrt(features) ** 2 == features > 0:
+            return (1, math.isqrt(features), math.isqrt(features))
+    raise ValueError(f"dataset {dataset.name!r}: input_shape {shape} is not (C, H, W), (H, W) or a flat square image")
 
 
 def _require_task(model: str, dataset: Dataset, task: str) -> None:
@@ -193,9 +187,7 @@ def _build_resnet18(dataset: Dataset) -> nn.Module:
 def _build_transformer(dataset: Dataset) -> nn.Module:
     _require_task("transformer", dataset, "language_model")
     if len(dataset.input_shape) != 1:
-        raise ValueError(
-            f"model 'transformer' needs (T,) token sequences, got input_shape {dataset.input_shape}"
-        )
+        raise ValueError(f"model 'transformer' needs (T,) token sequences, got input_shape {dataset.input_shape}")
     return CausalTransformer(dataset.num_classes, dataset.input_shape[0])
 
 
@@ -225,15 +217,9 @@ def build_model(name: str, dataset: Dataset) -> nn.Module:
         try:
             factory = resolve_import_path(name)
         except ValueError as err:
-            raise ValueError(
-                f"cannot build model {name!r}: {err}; built-in models: {', '.join(_BUILDERS)}"
-            ) from err
+            raise ValueError(f"cannot build model {name!r}: {err}; built-in models: {', '.join(_BUILDERS)}") from err
         model = factory(dataset)
         if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"model function {name!r} returned {type(model).__name__}, expected a torch.nn.Module"
-            )
+            raise TypeError(f"model function {name!r} returned {type(model).__name__}, expected a torch.nn.Module")
         return model
-    raise ValueError(
-        f"unknown model {name!r}: expected one of {', '.join(_BUILDERS)} or 'package.module:function'"
-    )
+    raise ValueError(f"unknown model {name!r}: expected one of {', '.join(_BUILDERS)} or 'package.module:function'")

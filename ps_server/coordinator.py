@@ -369,14 +369,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
 def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
     """Reject unknown built-in names early; import paths are resolved by the workers."""
-    from gradps.datasets import DATASETS
+    from gradps.datasets import builtin_dataset_names
     from gradps.models import model_names
 
     if ":" not in spec.model and spec.model not in model_names():
         raise ValueError(f"unknown model {spec.model!r}; choose one of {', '.join(model_names())} or package.module:function")
-    if ":" not in spec.dataset and spec.dataset not in DATASETS:
+    if ":" not in spec.dataset and spec.dataset not in builtin_dataset_names():
         raise ValueError(
-            f"unknown dataset {spec.dataset!r}; choose one of {', '.join(DATASETS)} or package.module:function"
+            f"unknown dataset {spec.dataset!r}; choose one of {', '.join(builtin_dataset_names())} or package.module:function"
         )
 
 

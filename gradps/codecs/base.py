@@ -22,11 +22,12 @@ if sys.byteorder != "little":  # payloads are little-endian and are viewed in pl
 # Bytes-like payloads accepted by decoders (protobuf gives `bytes`; slices give `memoryview`).
 Buffer = bytes | bytearray | memoryview
 
-# torch warns that a tensor over immutable `bytes` could be written through; the views made here
-# are only ever read (and copied from), so the warning is noise. Scoped to this package's frames.
-warnings.filterwarnings(
-    "ignore", message="The given buffer is not writable", category=UserWarning, module=r"gradps\.codecs"
-)
+# torch warns, once per process, that a tensor over immutable `bytes` could be written through.
+# The views made here are only ever read (and copied from), so spend that one warning at import,
+# silently: a filter would not do, as pytest and others reset the filters around each call.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 _SCALE = struct.Struct("<f")
 
@@ -60,8 +61,8 @@ class Codec(abc.ABC):
             )
         if not values.is_contiguous():
             raise ValueError(f"{self.name}: encode takes a contiguous tensor")
-        check_finite(values, f"{self.name}: values to encode")
-        return self._encode(values.detach())
+        low, high = check_finite(values, f"{self.name}: values to encode")
+        return self._encode(values.detach(), max(-low, high))
 
     def decode(self, payload: Buffer, count: int, device: torch.device | str) -> torch.Tensor:
         """Decode `payload` into a new 1-D float32 tensor of `count` elements on `device`.
@@ -93,8 +94,8 @@ class Codec(abc.ABC):
         """Largest valid payload for `count` elements (the bound for lz4 decompression)."""
 
     @abc.abstractmethod
-    def _encode(self, values: torch.Tensor) -> bytes:
-        """Encode validated, finite values."""
+    def _encode(self, values: torch.Tensor, peak: float) -> bytes:
+        """Encode validated, finite values; `peak` is max |value| (0 when empty), from the check."""
 
     @abc.abstractmethod
     def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
@@ -132,6 +133,8 @@ def pack_scale(scale: float) -> bytes:
 
 def tensor_bytes(values: torch.Tensor) -> bytes:
     """The raw bytes of a contiguous 1-D tensor of any dtype (numpy lacks bfloat16, bytes do not)."""
+    if values.numel() == 0:  # an empty tensor's stride may be 0, which view() refuses
+        return b""
     return values.view(torch.uint8).numpy().tobytes()
 
 
@@ -151,13 +154,17 @@ def zero_values(count: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(count, dtype=torch.float32, device=device)
 
 
-def check_finite(values: torch.Tensor, what: str) -> None:
-    """CodecError unless every element is finite (one min/max pass: NaN and Inf propagate)."""
+def check_finite(values: torch.Tensor, what: str) -> tuple[float, float]:
+    """(min, max) of `values`, (0, 0) when empty; CodecError unless every element is finite.
+
+    One aminmax pass: NaN and Inf propagate into the min or the max.
+    """
     if values.numel() == 0:
-        return
-    low, high = torch.aminmax(values)
-    if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+        return 0.0, 0.0
+    low, high = (bound.item() for bound in torch.aminmax(values))
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise CodecError(f"{what} contain NaN or Inf")
+    return low, high
 
 
 def check_length(payload: memoryview, expected: int, codec: str, count: int) -> None:

@@ -21,13 +21,12 @@ class DenseFloatCodec(Codec):
     def max_payload_bytes(self, count: int) -> int:
         return self.payload_bytes(count)
 
-    def _encode(self, values: torch.Tensor) -> bytes:
+    def _encode(self, values: torch.Tensor, peak: float) -> bytes:
         wire = values.to(self.wire_dtype)
         if self.wire_dtype is not torch.float32:  # a narrower type can overflow to Inf
             try:
                 check_finite(wire, f"{self.name}: encoded values")
             except CodecError:
-                peak = values.abs().max().item()
                 raise CodecError(
                     f"{self.name}: |value| up to {peak:g} overflows {self.wire_dtype} (use bf16 or int8)"
                 ) from None

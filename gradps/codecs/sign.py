@@ -28,11 +28,12 @@ class SignCodec(Codec):
     def max_payload_bytes(self, count: int) -> int:
         return self.payload_bytes(count)
 
-    def _encode(self, values: torch.Tensor) -> bytes:
+    def _encode(self, values: torch.Tensor, peak: float) -> bytes:
         count = values.numel()
-        scale = torch.linalg.vector_norm(values, 1).item() / count if count else 0.0
-        if not math.isfinite(float(np.float32(scale))):
-            raise CodecError(f"{self.name}: mean |value| {scale:g} overflows float32")
+        total = torch.linalg.vector_norm(values, 1).item() if count else 0.0
+        if not math.isfinite(total):  # the values are finite, their float32 sum is not
+            raise CodecError(f"{self.name}: sum of |value| overflows float32")
+        scale = total / count if count else 0.0
         bits = np.packbits((values > 0).numpy(), bitorder="little")
         return pack_scale(scale) + bits.tobytes()
 

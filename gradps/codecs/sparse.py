@@ -70,7 +70,7 @@ class SparseCodec(Codec):
     def max_payload_bytes(self, count: int) -> int:
         return 8 * count
 
-    def _encode(self, values: torch.Tensor) -> bytes:
+    def _encode(self, values: torch.Tensor, peak: float) -> bytes:
         if values.numel() > _MAX_COUNT:
             raise CodecError(f"{self.name}: a part of {values.numel()} values exceeds uint32 indices")
         k = keep_count(self.ratio, values.numel())
@@ -91,9 +91,7 @@ class SparseCodec(Codec):
         """
         payload, count, device = byte_view(payload), check_count(count), torch.device(device)
         if len(payload) % 8 or len(payload) > 8 * count:
-            raise CodecError(
-                f"{self.name}: payload is {len(payload)} bytes, expected 8 * k with k <= {count} values"
-            )
+            raise CodecError(f"{self.name}: payload is {len(payload)} bytes, expected 8 * k with k <= {count} values")
         k = len(payload) // 8
         # Move the raw words to the device, widen there; uint32 is read as int32 then masked.
         indices = view_as(payload, torch.int32, 0, k).to(device).to(torch.int64).bitwise_and_(0xFFFFFFFF)

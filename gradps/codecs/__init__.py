@@ -1,0 +1,82 @@
+"""Codecs for tensor parts on the wire (see proto/gradps/v1/tensor.proto and docs/compression.md).
+
+The rest of gradps calls `encode_part` on the sending side and `decode_part` or `accumulate_part`
+on the receiving side; everything else here is the machinery behind them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from gradps.codecs.base import Buffer, Codec, CodecError
+from gradps.codecs.error_feedback import ErrorFeedback
+from gradps.codecs.framing import maybe_lz4, unwrap
+from gradps.codecs.registry import format_codec, get_codec, parse_codec
+from gradps.codecs.sparse import SparseCodec
+from gradps.v1 import tensor_pb2
+
+__all__ = [
+    "Buffer",
+    "Codec",
+    "CodecError",
+    "ErrorFeedback",
+    "SparseCodec",
+    "accumulate_part",
+    "decode_part",
+    "encode_part",
+    "format_codec",
+    "get_codec",
+    "maybe_lz4",
+    "parse_codec",
+    "unwrap",
+]
+
+
+def encode_part(
+    values: torch.Tensor,
+    params: tensor_pb2.CodecParams,
+    *,
+    feedback: ErrorFeedback | None = None,
+    key: Hashable | None = None,
+    lz4_threshold: float | None = 0.9,
+) -> tuple[bytes, bool]:
+    """Encode one part's values: (payload, lz4 flag) for TensorPart.payload and TensorPart.lz4.
+
+    With `feedback`, lossy codecs add and update the residual kept under `key` (required then).
+    `lz4_threshold=None` never frames; otherwise see `maybe_lz4`.
+    """
+    codec = get_codec(params)
+    if feedback is not None:
+        if key is None:
+            raise ValueError("encode_part: error feedback needs the part's key")
+        payload = feedback.compress(key, values, codec)
+    else:
+        payload = codec.encode(values.detach().reshape(-1).to("cpu", torch.float32).contiguous())
+    if lz4_threshold is None:
+        return payload, False
+    return maybe_lz4(payload, lz4_threshold)
+
+
+def decode_part(
+    payload: Buffer, is_lz4: bool, params: tensor_pb2.CodecParams, count: int, device: torch.device | str
+) -> torch.Tensor:
+    """Decode one part's payload into a 1-D float32 tensor of `count` values on `device`.
+
+    Raises CodecError (-> INVALID_ARGUMENT) on bad parameters, frames or payloads.
+    """
+    codec = get_codec(params)
+    return codec.decode(unwrap(payload, is_lz4, codec.max_payload_bytes(count)), count, device)
+
+
+def accumulate_part(
+    payload: Buffer, is_lz4: bool, params: tensor_pb2.CodecParams, out: torch.Tensor, alpha: float = 1.0
+) -> None:
+    """out += alpha * decoded part, in place on out's device (`out`: 1-D float32, the part's count).
+
+    Sparse codecs add only their k values (`index_add_`), without a full-size decoded tensor.
+    Raises CodecError like `decode_part`; `out` is unchanged then.
+    """
+    codec = get_codec(params)
+    codec.add_decoded(unwrap(payload, is_lz4, codec.max_payload_bytes(out.numel())), out, alpha)

@@ -1,0 +1,56 @@
+"""Error feedback (Seide et al. 2014; Karimireddy et al. 2019) for lossy codecs at the sender.
+
+Each part keeps a residual e: the sender encodes c = g + e and keeps e <- c - decode(encode(c)).
+Whatever a lossy codec drops is sent in later rounds, so over many steps the sum of what was
+transmitted plus the last residual equals the sum of the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from gradps.codecs.base import Codec
+
+
+class ErrorFeedback:
+    """One residual per part key (any hashable, e.g. (tensor name, part index)), kept on the CPU
+    where encoding happens."""
+
+    def __init__(self) -> None:
+        self._residuals: dict[Hashable, torch.Tensor] = {}
+
+    def compress(self, key: Hashable, grad: torch.Tensor, codec: Codec) -> bytes:
+        """Encode grad + residual[key] with `codec` and keep what it lost as the new residual.
+
+        `grad` is the part's gradient (any shape, float dtype, any device); it is flattened and
+        sent as float32. Lossless codecs just encode. When encoding fails (CodecError on NaN/Inf),
+        the part's residual is dropped rather than left half-updated.
+        """
+        flat = grad.detach().reshape(-1).to("cpu", torch.float32).contiguous()  # may alias grad
+        if not codec.lossy:
+            return codec.encode(flat)
+        residual = self._residuals.pop(key, None)
+        if residual is None:
+            corrected = flat.clone()
+        elif residual.numel() != flat.numel():
+            raise ValueError(
+                f"error feedback for {key!r}: gradient has {flat.numel()} values, residual "
+                f"{residual.numel()}; call reset() when the placement changes"
+            )
+        else:
+            corrected = residual.add_(flat)  # reuse the residual's buffer for g + e
+        payload = codec.encode(corrected)
+        # corrected - transmitted, in place; sparse codecs touch only the k sent elements.
+        codec.add_decoded(payload, corrected, alpha=-1.0)
+        self._residuals[key] = corrected
+        return payload
+
+    def residual(self, key: Hashable) -> torch.Tensor | None:
+        """The part's current residual (flat float32), or None before its first lossy push."""
+        return self._residuals.get(key)
+
+    def reset(self) -> None:
+        """Forget every residual (call when the placement, and so the parts, change)."""
+        self._residuals.clear()
