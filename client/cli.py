@@ -45,27 +45,40 @@ def spec_options(fn):
     """The options that define a run, shared by `train` and `compare`."""
     options = [
         click.option("--model", default="mlp", help="mlp, cnn, resnet18, transformer or package.module:function."),
-        click.option("--dataset", default="digits", help="digits, synthetic-images, synthetic-tokens or an import path."),
+        click.option(
+            "--dataset", default="digits", help="digits, synthetic-images, synthetic-tokens or an import path."
+        ),
         click.option("--dataset-size", default=0, type=click.IntRange(min=0), help="Samples for synthetic datasets."),
         click.option("--optimizer", default="sgd", type=click.Choice(["sgd", "adam", "adamw"])),
-        click.option("--lr", default=0.05, type=click.FloatRange(min=0, min_open=True)),
-        click.option("--momentum", default=0.0, type=click.FloatRange(min=0)),
+        click.option("--lr", default=0.1, type=click.FloatRange(min=0, min_open=True)),
+        click.option("--momentum", default=0.9, type=click.FloatRange(min=0)),
         click.option("--nesterov", is_flag=True),
         click.option("--weight-decay", default=0.0, type=click.FloatRange(min=0)),
         click.option("--schedule", default="constant", type=click.Choice(["constant", "step", "cosine"])),
         click.option("--warmup-steps", default=0, type=click.IntRange(min=0)),
         click.option("--batch-size", default=32, type=click.IntRange(min=1)),
         click.option("--steps", default=0, type=click.IntRange(min=0), help="Steps per worker (0: use --epochs)."),
-        click.option("--epochs", default=20.0, type=click.FloatRange(min=0, min_open=True)),
+        click.option("--epochs", default=30.0, type=click.FloatRange(min=0, min_open=True)),
         click.option("--seed", default=0, type=click.IntRange(min=0)),
-        click.option("--codec", default="none", callback=_codec, help="Gradient codec: none, fp16, bf16, int8, topk:R, randk:R, sign."),
+        click.option(
+            "--codec",
+            default="none",
+            callback=_codec,
+            help="Gradient codec: none, fp16, bf16, int8, topk:R, randk:R, sign.",
+        ),
         click.option("--pull-codec", default="none", callback=_codec, help="Weights codec: none, fp16, bf16."),
-        click.option("--eval-every", default=50, type=click.IntRange(min=0), help="Evaluate every K steps (0: only at the end)."),
+        click.option(
+            "--eval-every", default=50, type=click.IntRange(min=0), help="Evaluate every K steps (0: only at the end)."
+        ),
         click.option("--part-size", default=4 * 1024 * 1024, type=click.IntRange(min=1), help="Bytes per part."),
         click.option("--n-push", default=1, type=click.IntRange(min=1), help="asgd: push every N steps."),
         click.option("--n-fetch", default=1, type=click.IntRange(min=1), help="asgd: fetch every N steps."),
-        click.option("--straggler", default=None, callback=_straggler, help="RANK:FACTOR: that worker is FACTOR times slower."),
-        click.option("--jitter", default=0.0, type=click.FloatRange(0, 1), help="Probability that a step takes twice as long."),
+        click.option(
+            "--straggler", default=None, callback=_straggler, help="RANK:FACTOR: that worker is FACTOR times slower."
+        ),
+        click.option(
+            "--jitter", default=0.0, type=click.FloatRange(0, 1), help="Probability that a step takes twice as long."
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -136,7 +149,9 @@ def _cluster_options(fn):
 @click.option("--scheme", default="sync", type=click.Choice(["sync", "asgd"]), help="Consistency scheme.")
 @click.option("--workers", default=2, type=click.IntRange(min=1))
 @spec_options
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Run folder (default runs/<run-id>).")
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Run folder (default runs/<run-id>)."
+)
 @click.option("--no-progress", is_flag=True, help="No live progress bar.")
 @one_line_errors
 def train(coordinator, local, shards, heartbeat_timeout, scheme, workers, out, no_progress, **options) -> None:

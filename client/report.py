@@ -65,9 +65,10 @@ def follow(client: Client, run_id: str, out_dir: Path, show_progress: bool = Tru
         TextColumn("{task.fields[stats]}"),
         TimeElapsedColumn(),
     )
-    with open(out_dir / "metrics.jsonl", "w") as log, Progress(
-        *columns, console=console, disable=not show_progress, transient=False
-    ) as progress:
+    with (
+        open(out_dir / "metrics.jsonl", "w") as log,
+        Progress(*columns, console=console, disable=not show_progress, transient=False) as progress,
+    ):
         task = progress.add_task(f"{run.spec.scheme} {run_id}", total=run.total_steps or None, stats="waiting")
         accuracy = float("nan")
         for event in client.watch(run_id):

@@ -41,7 +41,9 @@ class Slowdown:
 
     def __init__(self, assignment: Assignment) -> None:
         spec = assignment.spec
-        self.factor = spec.straggler_factor if spec.straggler_factor > 1 and spec.straggler_rank == assignment.rank else 1.0
+        self.factor = (
+            spec.straggler_factor if spec.straggler_factor > 1 and spec.straggler_rank == assignment.rank else 1.0
+        )
         self.jitter = spec.jitter
         self._rng = random.Random(spec.seed * 1000 + assignment.rank)
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+
 from gradps.channel import open_channel
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2
@@ -44,9 +45,7 @@ class WorkerSession:
         self._stop_run = threading.Event()
         self._closed = threading.Event()
         self.worker_id, interval_ms = self._join(join_timeout_s)
-        self._heartbeat = threading.Thread(
-            target=self._beat, args=(interval_ms / 1000,), name="heartbeat", daemon=True
-        )
+        self._heartbeat = threading.Thread(target=self._beat, args=(interval_ms / 1000,), name="heartbeat", daemon=True)
         self._heartbeat.start()
 
     def _join(self, timeout_s: float) -> tuple[int, int]:
@@ -65,7 +64,8 @@ class WorkerSession:
         while not self._closed.wait(interval_s):
             try:
                 r = self._stub.Heartbeat(
-                    cpb.HeartbeatRequest(worker_id=self.worker_id, run_id=self._run_id), timeout=max(1.0, interval_s * 2)
+                    cpb.HeartbeatRequest(worker_id=self.worker_id, run_id=self._run_id),
+                    timeout=max(1.0, interval_s * 2),
                 )
             except grpc.RpcError:
                 continue  # the coordinator is briefly unreachable; the timeout decides
@@ -113,4 +113,3 @@ class WorkerSession:
             self._run_id = ""
         if r.stop and not metrics.done and not metrics.error:
             raise RunAbandoned(f"run {run_id} was stopped")
-

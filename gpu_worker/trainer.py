@@ -56,6 +56,7 @@ class Trainer:
         self.samples = 0
         self._loss_sum = 0.0
         self._loss_n = 0
+        self._last_loss = float("nan")
         self._started = 0.0
 
     def start(self) -> None:
@@ -114,7 +115,7 @@ class Trainer:
         return cpb.Metrics(
             rank=self.assignment.rank,
             step=self.steps_done,
-            loss=self._loss_sum / max(1, self._loss_n),
+            loss=self._loss_sum / self._loss_n if self._loss_n else self._last_loss,
             test_accuracy=-1.0,
             samples=self.samples,
             elapsed_s=time.perf_counter() - self._started,
@@ -135,6 +136,7 @@ class Trainer:
             m.test_loss, m.test_accuracy = self.evaluate(model)
             self.model.train(was_training)
         m.done = done
+        self._last_loss = m.loss
         self._loss_sum, self._loss_n = 0.0, 0
         self.session.report(self.assignment.run_id, m)
         return m

@@ -61,9 +61,7 @@ def place(
     # Sort by size, then by name for a deterministic table.
     for nbytes, name, index, offset, count in sorted(parts, key=lambda p: (-p[0], p[1], p[2])):
         bytes_on, shard = heapq.heappop(load)
-        placed.append(
-            shard_pb2.PartPlacement(name=name, index=index, offset=offset, count=count, shard=shard)
-        )
+        placed.append(shard_pb2.PartPlacement(name=name, index=index, offset=offset, count=count, shard=shard))
         heapq.heappush(load, (bytes_on + nbytes, shard))
     placed.sort(key=lambda p: (names.index(p.name), p.index))
     return shard_pb2.Placement(version=version, shards=shards, tensors=tensors, parts=placed)

@@ -373,7 +373,9 @@ def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
     from gradps.models import model_names
 
     if ":" not in spec.model and spec.model not in model_names():
-        raise ValueError(f"unknown model {spec.model!r}; choose one of {', '.join(model_names())} or package.module:function")
+        raise ValueError(
+            f"unknown model {spec.model!r}; choose one of {', '.join(model_names())} or package.module:function"
+        )
     if ":" not in spec.dataset and spec.dataset not in builtin_dataset_names():
         raise ValueError(
             f"unknown dataset {spec.dataset!r}; choose one of {', '.join(builtin_dataset_names())} or package.module:function"

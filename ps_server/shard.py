@@ -13,8 +13,8 @@ import grpc
 import torch
 
 from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
-from gradps.device import resolve_device
 from gradps.codecs import CodecError, decode_part, encode_part
+from gradps.device import resolve_device
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
 from ps_server.schemes import RULES, ShardRule
@@ -95,9 +95,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             for ref in request.parts:
                 part = run.parts.get((ref.name, ref.index))
                 if part is None:
-                    context.abort(
-                        grpc.StatusCode.NOT_FOUND, f"part {ref.name}/{ref.index} is not on this shard"
-                    )
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"part {ref.name}/{ref.index} is not on this shard")
                 parts.append(part)
         else:
             parts = list(run.parts.values())
@@ -151,9 +149,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 )
             part = self._part(run, request.part, context)
             if part.key in grads:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice"
-                )
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice")
             grad = self._decode(part, request.part, context)
             if not bool(torch.isfinite(grad).all()):
                 context.abort(

@@ -90,7 +90,7 @@ def test_bf16_payload_is_upper_half_of_float32() -> None:
 
 
 def test_fp16_overflow_is_rejected_at_the_sender() -> None:
-    with pytest.raises(CodecError, match="overflows"):
+    with pytest.raises(CodecError, match="exceeds 65504"):
         codec_for("fp16").encode(torch.tensor([1.0, 70000.0]))
 
 
@@ -160,6 +160,24 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes(array: np.ndarray, ratio: f
     decoded = codec.decode(payload, values.numel(), CPU)
     assert torch.equal(decoded[torch.from_numpy(indices)], torch.from_numpy(sent.copy()))
     assert int((decoded != 0).sum()) <= k
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(300_000, generator=g),  # large part: sampled threshold
+        lambda g: torch.randn(300_000, generator=g) * (torch.rand(300_000, generator=g) < 0.002),  # fallback
+        lambda g: torch.randint(-3, 4, (300_000,), generator=g).float(),  # heavy ties
+    ],
+)
+def test_topk_of_a_large_part_matches_a_full_sort(make) -> None:
+    values = make(torch.Generator().manual_seed(2))
+    codec = codec_for("topk:0.01")
+    indices, sent = codec.decode_sparse(codec.encode(values), values.numel(), CPU)
+    assert indices.numel() == 3000 and bool((indices[1:] > indices[:-1]).all())
+    assert torch.equal(sent, values[indices])
+    largest = values.abs().sort(descending=True).values[:3000]
+    assert torch.equal(sent.abs().sort(descending=True).values, largest)
 
 
 @pytest.mark.parametrize(("ratio", "count", "k"), [(0.1, 100, 10), (0.01, 1000, 10), (0.3, 10, 3), (1e-6, 50, 1)])

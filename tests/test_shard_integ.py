@@ -76,7 +76,8 @@ def _push_raw(stub, run_id: str, worker_id: int, part: tensor_pb2.TensorPart, st
 
 def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
     tensors = {"w": torch.randn(64, 32), "v": torch.randn(100)}
-    spec = run_pb2.RunSpec(scheme="asgd", workers=1, steps=100)
+    lr = 0.05
+    spec = run_pb2.RunSpec(scheme="asgd", workers=1, steps=100, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr))
     run_id, sessions, clients, placement = _start_run(shards_only.address, spec, tensors)
     try:
         clients[0].register(tensors)
@@ -85,8 +86,13 @@ def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
 
         def part(**overrides) -> tensor_pb2.TensorPart:
             fields = dict(
-                name="w", index=0, offset=p.offset, count=p.count, dtype=tensor_pb2.DTYPE_FLOAT32,
-                codec=NONE, payload=good,
+                name="w",
+                index=0,
+                offset=p.offset,
+                count=p.count,
+                dtype=tensor_pb2.DTYPE_FLOAT32,
+                codec=NONE,
+                payload=good,
             )
             fields.update(overrides)
             return tensor_pb2.TensorPart(**fields)
@@ -97,8 +103,12 @@ def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
             (run_id, part(count=p.count - 1), grpc.StatusCode.INVALID_ARGUMENT, "shape mismatch"),
             (run_id, part(dtype=tensor_pb2.DTYPE_FLOAT16), grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
             (run_id, part(payload=good[:-3]), grpc.StatusCode.INVALID_ARGUMENT, ""),
-            (run_id, part(payload=np.full(p.count, np.nan, np.float32).tobytes()),
-             grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+            (
+                run_id,
+                part(payload=np.full(p.count, np.nan, np.float32).tobytes()),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "NaN",
+            ),
         ]
         with open_channel(placement.shards[p.shard]) as ch:
             stub = shard_pb2_grpc.ShardServiceStub(ch)
@@ -109,18 +119,34 @@ def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
                 assert words in err.value.details()
                 assert "\n" not in err.value.details()
             # A push whose second part is bad is rejected whole: its good first part is not applied.
-            other = next(q for q in placement.parts if q.shard == p.shard and q.name != "w") if any(
-                q.shard == p.shard and q.name != "w" for q in placement.parts) else None
+            other = (
+                next(q for q in placement.parts if q.shard == p.shard and q.name != "w")
+                if any(q.shard == p.shard and q.name != "w" for q in placement.parts)
+                else None
+            )
             if other is not None:
-                first = tensor_pb2.TensorPart(name=other.name, index=other.index, offset=other.offset,
-                                              count=other.count, dtype=tensor_pb2.DTYPE_FLOAT32, codec=NONE,
-                                              payload=np.ones(other.count, np.float32).tobytes())
+                first = tensor_pb2.TensorPart(
+                    name=other.name,
+                    index=other.index,
+                    offset=other.offset,
+                    count=other.count,
+                    dtype=tensor_pb2.DTYPE_FLOAT32,
+                    codec=NONE,
+                    payload=np.ones(other.count, np.float32).tobytes(),
+                )
                 with pytest.raises(grpc.RpcError):
-                    stub.Push(iter([
-                        shard_pb2.PushRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=0, part=first),
-                        shard_pb2.PushRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=0,
-                                              part=part(payload=good[:5])),
-                    ]))
+                    stub.Push(
+                        iter(
+                            [
+                                shard_pb2.PushRequest(
+                                    run_id=run_id, worker_id=sessions[0].worker_id, step=0, part=first
+                                ),
+                                shard_pb2.PushRequest(
+                                    run_id=run_id, worker_id=sessions[0].worker_id, step=0, part=part(payload=good[:5])
+                                ),
+                            ]
+                        )
+                    )
         pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
         clients[0].pull(pulled)
         for name, t in tensors.items():
@@ -131,7 +157,6 @@ def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
             assert _push_raw(stub, run_id, sessions[0].worker_id, part(), step=5).applied
             assert not _push_raw(stub, run_id, sessions[0].worker_id, part(), step=5).applied
         clients[0].pull(pulled)
-        lr = 0.05
         assert torch.allclose(pulled["w"].view(-1)[: p.count], tensors["w"].view(-1)[: p.count] - lr)
     finally:
         _close(sessions, clients)
@@ -151,7 +176,9 @@ def test_sync_reduction_equals_sgd_on_concatenated_batches(shards_only):
     params = dict(reference.named_parameters())
     lr, momentum = 0.1, 0.9
     spec = run_pb2.RunSpec(
-        scheme="sync", workers=2, steps=100,
+        scheme="sync",
+        workers=2,
+        steps=100,
         optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr, momentum=momentum),
     )
     run_id, sessions, clients, _ = _start_run(

@@ -23,7 +23,11 @@ from gradps.v1 import run_pb2
 
 def _spec(scheme: str, **kw) -> run_pb2.RunSpec:
     base = dict(
-        scheme=scheme, workers=2, batch_size=32, epochs=4, eval_every=0,
+        scheme=scheme,
+        workers=2,
+        batch_size=32,
+        epochs=4,
+        eval_every=0,
         optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1, momentum=0.9),
     )
     base.update(kw)
@@ -110,8 +114,9 @@ def test_cli_errors_are_one_line():
         (["train", "--local", "--straggler", "x"], "RANK:FACTOR"),
     ]
     for args, words in cases:
-        r = subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, env=env,
-                           timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, env=env, timeout=60
+        )
         assert r.returncode != 0
         assert words in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
@@ -121,14 +126,39 @@ def test_cli_errors_are_one_line():
 @pytest.mark.parametrize("scheme", ["asgd", "sync"])
 def test_cli_train_local_reaches_95_percent(scheme, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "client.cli", "train", "--local", "--scheme", scheme, "--no-progress",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "client.cli",
+            "train",
+            "--local",
+            "--scheme",
+            scheme,
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("run_id", "scheme", "model", "dataset", "workers", "shards", "steps", "wall_seconds",
-                "samples_per_second", "final_test_accuracy", "final_loss", "bytes_pushed", "bytes_pulled"):
+    for key in (
+        "run_id",
+        "scheme",
+        "model",
+        "dataset",
+        "workers",
+        "shards",
+        "steps",
+        "wall_seconds",
+        "samples_per_second",
+        "final_test_accuracy",
+        "final_loss",
+        "bytes_pushed",
+        "bytes_pulled",
+    ):
         assert key in summary
     assert summary["scheme"] == scheme and summary["workers"] == 2 and summary["shards"] == 2
     assert summary["final_test_accuracy"] >= 0.95, summary

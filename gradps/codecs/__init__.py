@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
-from gradps.codecs.base import Buffer, Codec, CodecError
+from gradps.codecs.base import Buffer, Codec, CodecError, flat_float32
 from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4, unwrap
 from gradps.codecs.registry import format_codec, get_codec, parse_codec
@@ -42,7 +42,8 @@ def encode_part(
     key: Hashable | None = None,
     lz4_threshold: float | None = 0.9,
 ) -> tuple[bytes, bool]:
-    """Encode one part's values: (payload, lz4 flag) for TensorPart.payload and TensorPart.lz4.
+    """Encode one part's values (any shape and float dtype, flattened to float32): the
+    (payload, lz4 flag) for TensorPart.payload and TensorPart.lz4.
 
     With `feedback`, lossy codecs add and update the residual kept under `key` (required then).
     `lz4_threshold=None` never frames; otherwise see `maybe_lz4`.
@@ -53,7 +54,7 @@ def encode_part(
             raise ValueError("encode_part: error feedback needs the part's key")
         payload = feedback.compress(key, values, codec)
     else:
-        payload = codec.encode(values.detach().reshape(-1).to("cpu", torch.float32).contiguous())
+        payload = codec.encode(flat_float32(values))
     if lz4_threshold is None:
         return payload, False
     return maybe_lz4(payload, lz4_threshold)

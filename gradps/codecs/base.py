@@ -102,6 +102,12 @@ class Codec(abc.ABC):
         """Decode a byte view; validate everything read from it."""
 
 
+def flat_float32(values: torch.Tensor) -> torch.Tensor:
+    """`values` as the 1-D contiguous float32 CPU tensor that `Codec.encode` takes (a view of
+    `values` when it already is one: do not write to it)."""
+    return values.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+
+
 def byte_view(payload: Buffer) -> memoryview:
     """A flat unsigned-byte view of any C-contiguous bytes-like object, without copying."""
     view = memoryview(payload)

@@ -27,15 +27,21 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def bench_codecs(size_mib: int = 64, repeats: int = 3, codecs: tuple[str, ...] = CODECS) -> list[dict]:
-    """Encode/decode GB/s, payload ratio and lz4 gain for each codec on N(0, 1) float32 values.
+def bench_codecs(
+    size_mib: int = 64, repeats: int = 3, codecs: tuple[str, ...] = CODECS, zero_fraction: float = 0.0
+) -> list[dict]:
+    """Encode/decode GB/s, payload ratio and lz4 gain for each codec on N(0, 1) float32 values,
+    of which `zero_fraction` are set to 0 (as in an embedding's gradient, where lz4 pays).
 
     Returns one dict per codec: codec, ratio (payload / fp32 bytes), encode_gbs, decode_gbs,
     roundtrip_gbs (encode then decode), lz4_gain (payload / lz4 frame size), lz4_used (whether
     maybe_lz4 at its default threshold would frame it). Times are the best of `repeats`.
     """
     count = size_mib * (1 << 20) // 4
-    values = torch.randn(count, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(count, generator=generator)
+    if zero_fraction:
+        values[torch.rand(count, generator=generator) < zero_fraction] = 0.0
     fp32_bytes = 4 * count
     rows = []
     for text in codecs:
@@ -77,9 +83,13 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=64, help="float32 MiB per part (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per codec; the best is kept")
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codec strings")
+    parser.add_argument("--zero-fraction", type=float, default=0.0, help="fraction of values set to 0")
     args = parser.parse_args()
-    rows = bench_codecs(args.size_mib, args.repeats, tuple(args.codecs.split(",")))
-    print(f"{args.size_mib} MiB float32, N(0, 1), torch {torch.__version__}, {torch.get_num_threads()} threads")
+    rows = bench_codecs(args.size_mib, args.repeats, tuple(args.codecs.split(",")), args.zero_fraction)
+    print(
+        f"{args.size_mib} MiB float32, N(0, 1) with {args.zero_fraction:.0%} zeros, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(format_table(rows))
 
 

@@ -11,7 +11,7 @@ from collections.abc import Hashable
 
 import torch
 
-from gradps.codecs.base import Codec
+from gradps.codecs.base import Codec, flat_float32
 
 
 class ErrorFeedback:
@@ -28,7 +28,7 @@ class ErrorFeedback:
         sent as float32. Lossless codecs just encode. When encoding fails (CodecError on NaN/Inf),
         the part's residual is dropped rather than left half-updated.
         """
-        flat = grad.detach().reshape(-1).to("cpu", torch.float32).contiguous()  # may alias grad
+        flat = flat_float32(grad)  # may alias grad: only read
         if not codec.lossy:
             return codec.encode(flat)
         residual = self._residuals.pop(key, None)

@@ -18,21 +18,20 @@ from gradps.codecs.sparse import check_ratio, ratio_text
 from gradps.codecs.topk import TopKCodec
 from gradps.v1 import tensor_pb2
 
-_C = tensor_pb2
 _Factory = Callable[[tensor_pb2.CodecParams, torch.Generator | None], Codec]
 
 # Codec enum -> (CLI name, factory). CODEC_UNSPECIFIED means CODEC_NONE.
 _CODECS: dict[int, tuple[str, _Factory]] = {
-    _C.CODEC_NONE: ("none", lambda p, g: NoneCodec()),
-    _C.CODEC_FP16: ("fp16", lambda p, g: Fp16Codec()),
-    _C.CODEC_BF16: ("bf16", lambda p, g: Bf16Codec()),
-    _C.CODEC_INT8: ("int8", lambda p, g: Int8Codec(p.stochastic_rounding, g)),
-    _C.CODEC_TOPK: ("topk", lambda p, g: TopKCodec(p.ratio)),
-    _C.CODEC_RANDK: ("randk", lambda p, g: RandKCodec(p.ratio, g)),
-    _C.CODEC_SIGN: ("sign", lambda p, g: SignCodec()),
+    tensor_pb2.CODEC_NONE: ("none", lambda p, g: NoneCodec()),
+    tensor_pb2.CODEC_FP16: ("fp16", lambda p, g: Fp16Codec()),
+    tensor_pb2.CODEC_BF16: ("bf16", lambda p, g: Bf16Codec()),
+    tensor_pb2.CODEC_INT8: ("int8", lambda p, g: Int8Codec(p.stochastic_rounding, g)),
+    tensor_pb2.CODEC_TOPK: ("topk", lambda p, g: TopKCodec(p.ratio)),
+    tensor_pb2.CODEC_RANDK: ("randk", lambda p, g: RandKCodec(p.ratio, g)),
+    tensor_pb2.CODEC_SIGN: ("sign", lambda p, g: SignCodec()),
 }
 _BY_NAME = {name: codec for codec, (name, _) in _CODECS.items()}
-_SPARSE = (_C.CODEC_TOPK, _C.CODEC_RANDK)
+_SPARSE = (tensor_pb2.CODEC_TOPK, tensor_pb2.CODEC_RANDK)
 _SYNTAX = "none, fp16, bf16, int8, int8:stochastic, topk:RATIO, randk:RATIO, sign (0 < RATIO <= 1)"
 
 
@@ -41,7 +40,7 @@ def get_codec(params: tensor_pb2.CodecParams, *, generator: torch.Generator | No
 
     Raises CodecError on an unknown codec or parameters that do not belong to it.
     """
-    codec = params.codec or _C.CODEC_NONE
+    codec = params.codec or tensor_pb2.CODEC_NONE
     if codec not in _CODECS:
         raise CodecError(f"unknown codec {params.codec}")
     name, factory = _CODECS[codec]
@@ -49,7 +48,7 @@ def get_codec(params: tensor_pb2.CodecParams, *, generator: torch.Generator | No
         check_ratio(params.ratio, name)
     elif params.ratio:
         raise CodecError(f"{name}: ratio is for topk and randk only, got {params.ratio}")
-    if params.stochastic_rounding and codec != _C.CODEC_INT8:
+    if params.stochastic_rounding and codec != tensor_pb2.CODEC_INT8:
         raise CodecError(f"{name}: stochastic_rounding is for int8 only")
     return factory(params, generator)
 
@@ -72,7 +71,7 @@ def parse_codec(text: str) -> tensor_pb2.CodecParams:
         if not (0.0 < ratio <= 1.0 and np.float32(ratio) > 0):
             raise ValueError(f"codec {text!r}: ratio must be in (0, 1]")
         return tensor_pb2.CodecParams(codec=codec, ratio=ratio)
-    if codec == _C.CODEC_INT8 and sep and arg == "stochastic":
+    if codec == tensor_pb2.CODEC_INT8 and sep and arg == "stochastic":
         return tensor_pb2.CodecParams(codec=codec, stochastic_rounding=True)
     if sep:
         raise ValueError(f"codec {text!r}: {name} takes no {arg!r} argument; expected one of: {_SYNTAX}")
@@ -82,7 +81,7 @@ def parse_codec(text: str) -> tensor_pb2.CodecParams:
 def format_codec(params: tensor_pb2.CodecParams) -> str:
     """The CLI string for `params`, the inverse of `parse_codec`; CodecError if `params` is invalid."""
     get_codec(params)  # same validation as on the wire
-    name, _ = _CODECS[params.codec or _C.CODEC_NONE]
+    name, _ = _CODECS[params.codec or tensor_pb2.CODEC_NONE]
     if params.codec in _SPARSE:
         return f"{name}:{ratio_text(params.ratio)}"
     if params.stochastic_rounding:

@@ -24,9 +24,7 @@ class SyncRule(ShardRule):
         for key in push.grads:
             version = self.run.parts[key].version
             if push.step > version:
-                raise PushRejected(
-                    f"step {push.step} is ahead of part {key[0]}/{key[1]} at step {version}"
-                )
+                raise PushRejected(f"step {push.step} is ahead of part {key[0]}/{key[1]} at step {version}")
         for key, grad in push.grads.items():
             part = self.run.parts[key]
             if push.step < part.version:
