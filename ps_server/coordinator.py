@@ -115,7 +115,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         sent = 0
         while context.is_active():
             with self._cond:
-                self._cond.wait_for(lambda: len(record.events) > sent or record.ended, timeout=1.0)
+                self._cond.wait_for(lambda n=sent: len(record.events) > n or record.ended, timeout=1.0)
                 new = record.events[sent:]
                 finished = record.ended and sent + len(new) == len(record.events)
             yield from new
@@ -378,7 +378,8 @@ def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
         )
     if ":" not in spec.dataset and spec.dataset not in builtin_dataset_names():
         raise ValueError(
-            f"unknown dataset {spec.dataset!r}; choose one of {', '.join(builtin_dataset_names())} or package.module:function"
+            f"unknown dataset {spec.dataset!r}; "
+            f"choose one of {', '.join(builtin_dataset_names())} or package.module:function"
         )
 
 

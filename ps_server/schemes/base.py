@@ -17,5 +17,5 @@ class ShardRule(ABC):
     def push(self, push: Push) -> int:
         """Take a validated push; return its staleness. Raise PushRejected to refuse it whole."""
 
-    def membership_changed(self) -> None:
+    def membership_changed(self) -> None:  # noqa: B027 (optional hook)
         """The live workers changed; finish anything that was waiting for the dead."""
