@@ -181,7 +181,7 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
 
 @cli.command(context_settings=_CONTEXT)
 @click.option("--shards", default=2, type=click.IntRange(min=1))
-@click.option("--workers", default=2, type=click.IntRange(min=1))
+@click.option("--workers", default=2, type=click.IntRange(min=0), help="0: your own scripts are the workers.")
 @click.option("--heartbeat-timeout", default=3.0, type=click.FloatRange(min=0.1))
 @one_line_errors
 def up(shards: int, workers: int, heartbeat_timeout: float) -> None:
