@@ -18,6 +18,7 @@ from gradps.codecs import parse_codec
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
 
+SCHEMES = ["sync", "asgd", "ssp", "wagma", "pseudosync"]
 _CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
@@ -50,15 +51,15 @@ def spec_options(fn):
         ),
         click.option("--dataset-size", default=0, type=click.IntRange(min=0), help="Samples for synthetic datasets."),
         click.option("--optimizer", default="sgd", type=click.Choice(["sgd", "adam", "adamw"])),
-        click.option("--lr", default=0.1, type=click.FloatRange(min=0, min_open=True)),
-        click.option("--momentum", default=0.9, type=click.FloatRange(min=0)),
+        click.option("--lr", default=0.2, type=click.FloatRange(min=0, min_open=True)),
+        click.option("--momentum", default=0.0, type=click.FloatRange(min=0)),
         click.option("--nesterov", is_flag=True),
         click.option("--weight-decay", default=0.0, type=click.FloatRange(min=0)),
         click.option("--schedule", default="constant", type=click.Choice(["constant", "step", "cosine"])),
         click.option("--warmup-steps", default=0, type=click.IntRange(min=0)),
         click.option("--batch-size", default=32, type=click.IntRange(min=1)),
         click.option("--steps", default=0, type=click.IntRange(min=0), help="Steps per worker (0: use --epochs)."),
-        click.option("--epochs", default=30.0, type=click.FloatRange(min=0, min_open=True)),
+        click.option("--epochs", default=50.0, type=click.FloatRange(min=0, min_open=True)),
         click.option("--seed", default=0, type=click.IntRange(min=0)),
         click.option(
             "--codec",
@@ -146,7 +147,7 @@ def _cluster_options(fn):
 
 @cli.command(context_settings=_CONTEXT)
 @_cluster_options
-@click.option("--scheme", default="sync", type=click.Choice(["sync", "asgd"]), help="Consistency scheme.")
+@click.option("--scheme", default="sync", type=click.Choice(SCHEMES), help="Consistency scheme.")
 @click.option("--workers", default=2, type=click.IntRange(min=1))
 @spec_options
 @click.option(

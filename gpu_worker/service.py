@@ -75,7 +75,7 @@ def train(session: WorkerSession, assignment: Assignment, device: torch.device, 
     try:
         trainer.start()
         model.train()
-        for _ in range(steps):
+        while not trainer.finished:
             if stop.is_set():
                 raise RunAbandoned(f"run {assignment.run_id}: worker shutting down")
             began = time.perf_counter()

@@ -30,6 +30,8 @@ class Assignment:
     # This worker's rank, and the number of workers.
     rank: int
     world: int
+    # Worker ids by rank.
+    workers: tuple[int, ...]
 
 
 class WorkerSession:
@@ -96,7 +98,7 @@ class WorkerSession:
             return None
         self._run_id = r.run_id
         self._stop_run.clear()
-        return Assignment(r.run_id, r.spec, r.rank, len(r.workers))
+        return Assignment(r.run_id, r.spec, r.rank, len(r.workers), tuple(r.workers))
 
     def placement(self, run_id: str, tensors: list[tensor_pb2.TensorSpec], total_steps: int) -> shard_pb2.Placement:
         """The run's placement table (the first worker's call creates it)."""

@@ -13,6 +13,7 @@ The scheme (sync, asgd, ...) decides what `start`, `step` and `finish` exchange 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,15 @@ from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
 from gradps.v1 import coordinator_pb2 as cpb
 
 Evaluate = Callable[[torch.nn.Module], tuple[float, float]]
+
+
+def weights_digest(params: dict[str, torch.Tensor]) -> bytes:
+    """SHA-256 over the parameters' bytes, in name order: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
+    return h.digest()
 
 
 class Trainer:
@@ -74,24 +84,31 @@ class Trainer:
         """Exchange with the shards after one backward pass, then clear the gradients."""
         if self.session.stopping:
             raise RunAbandoned(f"run {self.assignment.run_id} was stopped")
+        before = self.steps_done
         with torch.no_grad():
-            self.scheme.after_backward(self.steps_done)
+            self.steps_done = self.scheme.after_backward(before)
         for p in self.params.values():
             p.grad = None
-        self.steps_done += 1
         self.samples += samples
         self._loss_sum += loss
         self._loss_n += 1
-        eval_every = self.spec.eval_every
+
+        def crossed(every: int) -> bool:  # a scheme may skip steps, so look for a crossed multiple
+            return every > 0 and before // every != self.steps_done // every
+
         evaluate_now = (
             self.evaluate is not None
             and self.assignment.rank == 0
-            and eval_every > 0
-            and self.steps_done % eval_every == 0
-            and self.steps_done < self.total_steps
+            and crossed(self.spec.eval_every)
+            and not self.finished
         )
-        if evaluate_now or self.steps_done % self.report_every == 0:
+        if evaluate_now or crossed(self.report_every):
             self._report(evaluate_now, done=False)
+
+    @property
+    def finished(self) -> bool:
+        """True once the scheme's step counter reached the run's total steps."""
+        return self.steps_done >= self.total_steps
 
     def finish(self) -> cpb.Metrics:
         """Bring the replica to the final global model, evaluate it, report done."""
@@ -136,6 +153,8 @@ class Trainer:
             m.test_loss, m.test_accuracy = self.evaluate(model)
             self.model.train(was_training)
         m.done = done
+        if done:
+            m.weights_digest = weights_digest(self.params)
         self._last_loss = m.loss
         self._loss_sum, self._loss_n = 0.0, 0
         self.session.report(self.assignment.run_id, m)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import signal
 import threading
@@ -25,13 +27,44 @@ _OPTIONS = (
 )
 
 
+# glibc malloc (mallopt parameter numbers from malloc.h): every message of a part is a few MiB, and
+# by default glibc serves each such buffer with a fresh mmap and returns it with munmap, so every
+# byte received or sent page-faults into zeroed memory first; it also trims the heap as soon as
+# its top is free. Keeping those buffers in the heap and the heap in place makes push + pull ~1.5x
+# faster on loopback (docs/performance.md). The cost: freed buffers stay resident (up to the peak).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MALLOC_OPTIONS = ((_M_MMAP_THRESHOLD, 256 << 20), (_M_TRIM_THRESHOLD, 512 << 20), (_M_TOP_PAD, 64 << 20))
+_allocator_tuned = False
+
+
+def tune_allocator() -> bool:
+    """Apply the malloc settings above to this process, once; False where it is not glibc.
+
+    `GRADPS_MALLOC_DEFAULTS=1` leaves the allocator alone (to measure the difference).
+    """
+    global _allocator_tuned
+    if _allocator_tuned:
+        return True
+    if os.environ.get("GRADPS_MALLOC_DEFAULTS") == "1":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    _allocator_tuned = all(mallopt(param, value) == 1 for param, value in _MALLOC_OPTIONS)
+    return _allocator_tuned
+
+
 def open_channel(address: str) -> grpc.Channel:
     """A channel to `address` ("host:port") with gradps's message limits."""
+    tune_allocator()
     return grpc.insecure_channel(address, options=_OPTIONS)
 
 
 def make_server(max_workers: int = 32) -> grpc.Server:
     """A threaded gRPC server with gradps's message limits and grpc.health.v1 registered."""
+    tune_allocator()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
     return server
 

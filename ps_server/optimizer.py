@@ -42,39 +42,57 @@ def learning_rate(spec: run_pb2.OptimizerSpec, update: int, total_steps: int) ->
     return lr
 
 
-class PartOptimizer:
-    """A torch optimizer over one flat part. Every rule is elementwise, so parts are independent."""
+def make_optimizer(params: list[torch.Tensor], spec: run_pb2.OptimizerSpec) -> torch.optim.Optimizer:
+    """The torch optimizer a spec names, over `params` (foreach kernels: one launch per step)."""
+    if spec.name == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=spec.lr,
+            momentum=spec.momentum,
+            nesterov=spec.nesterov,
+            weight_decay=spec.weight_decay,
+            foreach=True,
+        )
+    cls = torch.optim.Adam if spec.name == "adam" else torch.optim.AdamW
+    return cls(
+        params,
+        lr=spec.lr,
+        betas=(spec.beta1 or 0.9, spec.beta2 or 0.999),
+        eps=spec.eps or 1e-8,
+        weight_decay=spec.weight_decay,
+        foreach=True,
+    )
 
-    def __init__(self, values: torch.Tensor, spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
-        self.param = torch.nn.Parameter(values, requires_grad=False)
+
+class ScheduledOptimizer:
+    """A torch optimizer whose learning rate follows the spec's schedule, one update at a time.
+
+    Shards use it per part; schemes whose model lives on the workers (wagma, pseudosync) use it
+    for the local update, so every scheme applies the same optimizer rule.
+    """
+
+    def __init__(self, params: list[torch.Tensor], spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
         self.spec = spec
         self.total_steps = total_steps
         self.updates = 0
-        # foreach kernels: one launch over the part instead of a Python loop over tensors.
-        if spec.name == "sgd":
-            self.opt = torch.optim.SGD(
-                [self.param],
-                lr=spec.lr,
-                momentum=spec.momentum,
-                nesterov=spec.nesterov,
-                weight_decay=spec.weight_decay,
-                foreach=True,
-            )
-        else:
-            cls = torch.optim.Adam if spec.name == "adam" else torch.optim.AdamW
-            self.opt = cls(
-                [self.param],
-                lr=spec.lr,
-                betas=(spec.beta1 or 0.9, spec.beta2 or 0.999),
-                eps=spec.eps or 1e-8,
-                weight_decay=spec.weight_decay,
-                foreach=True,
-            )
+        self.opt = make_optimizer(params, spec)
+
+    def step(self, lr_scale: float = 1.0) -> None:
+        """One update from the gradients in the parameters' .grad."""
+        self.opt.param_groups[0]["lr"] = learning_rate(self.spec, self.updates, self.total_steps) * lr_scale
+        self.opt.step()
+        self.updates += 1
+
+
+class PartOptimizer(ScheduledOptimizer):
+    """The optimizer of one flat part. Every rule is elementwise, so parts are independent."""
+
+    def __init__(self, values: torch.Tensor, spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
+        self.param = torch.nn.Parameter(values, requires_grad=False)
+        super().__init__([self.param], spec, total_steps)
 
     def apply(self, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
         """w <- opt(w, grad) with the scheduled learning rate times `lr_scale`."""
-        self.opt.param_groups[0]["lr"] = learning_rate(self.spec, self.updates, self.total_steps) * lr_scale
         self.param.grad = grad
-        self.opt.step()
+        self.step(lr_scale)
         self.param.grad = None
-        self.updates += 1

@@ -19,13 +19,13 @@ def with_defaults(spec: run_pb2.RunSpec) -> run_pb2.RunSpec:
     opt = out.optimizer
     opt.name = opt.name or "sgd"
     if opt.lr == 0:
-        opt.lr = 0.1
+        opt.lr = 0.2
     opt.schedule = opt.schedule or "constant"
     if opt.schedule == "step" and opt.gamma == 0:
         opt.gamma = 0.1
     out.batch_size = out.batch_size or 32
     if out.steps == 0 and out.epochs == 0:
-        out.epochs = 30
+        out.epochs = 50
     out.workers = out.workers or 2
     if out.codec.codec == tensor_pb2.CODEC_UNSPECIFIED:
         out.codec.codec = tensor_pb2.CODEC_NONE

@@ -21,6 +21,7 @@ from ps_server.schemes import RULES, ShardRule
 
 _LOGGER = logging.getLogger("gradps.shard")
 _DEFAULT_WAIT_S = 60.0
+_NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 _PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
 
 
@@ -67,7 +68,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def RegisterTensors(self, request_iterator, context):
         decoded: list[tuple[Part, torch.Tensor]] = []
         run = None
+        overwrite = False
         for request in request_iterator:
+            overwrite = overwrite or request.overwrite
             if run is None:
                 run, _ = self._run(request.run_id, context)
             elif request.run_id != run.run_id:
@@ -79,7 +82,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         initialised = 0
         with run.cond:
             for part, values in decoded:
-                if not part.initialised:
+                if overwrite or not part.initialised:
                     part.values.copy_(values)
                     part.initialised = True
                     initialised += 1
@@ -87,7 +90,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return shard_pb2.RegisterTensorsResponse(initialised=initialised)
 
     def Pull(self, request, context) -> Iterator[shard_pb2.PullResponse]:
-        run, _ = self._run(request.run_id, context)
+        run, rule = self._run(request.run_id, context)
         if request.codec.codec not in _PULL_CODECS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pull codec must be none, fp16 or bf16")
         if request.parts:
@@ -102,35 +105,30 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         wait_s = request.wait_ms / 1000 if request.wait_ms else _DEFAULT_WAIT_S
         snapshot = []
         with run.cond:
-
-            def ready() -> bool:
-                return all(p.initialised and p.version >= request.min_version for p in parts)
-
-            if not run.cond.wait_for(ready, timeout=wait_s):
-                context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"parts not at version {request.min_version} after {wait_s:.1f}s",
-                )
+            try:
+                if not run.cond.wait_for(lambda: rule.pull_ready(parts, request), timeout=wait_s):
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"parts not ready (version {request.min_version}, clock {request.clock}) after {wait_s:.1f}s",
+                    )
+            except PushRejected as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            rule.on_pull(request.worker_id, parts)
             # The encoded bytes are the snapshot: one copy, taken under the lock.
             for p in parts:
-                payload, lz4 = encode_part(p.values.cpu(), request.codec, lz4_threshold=None)
+                payload, lz4 = encode_part(rule.pull_values(p, request).cpu(), request.codec, lz4_threshold=None)
                 snapshot.append((p, payload, lz4, p.version))
         for p, payload, lz4, version in snapshot:
             with run.cond:
                 run.bytes_pulled += len(payload)
-            yield shard_pb2.PullResponse(
-                part=tensor_pb2.TensorPart(
-                    name=p.key[0],
-                    index=p.key[1],
-                    offset=p.offset,
-                    count=p.count,
-                    dtype=tensor_pb2.DTYPE_FLOAT32,
-                    codec=request.codec,
-                    payload=payload,
-                    version=version,
-                    lz4=lz4,
-                )
-            )
+            # Fields set in place: PullResponse(part=TensorPart(...)) costs ~1 ms per MiB of payload.
+            response = shard_pb2.PullResponse()
+            out = response.part
+            out.name, out.index, out.offset, out.count = p.key[0], p.key[1], p.offset, p.count
+            out.dtype = tensor_pb2.DTYPE_FLOAT32
+            out.codec.CopyFrom(request.codec)
+            out.payload, out.version, out.lz4 = payload, version, lz4
+            yield response
 
     def Push(self, request_iterator, context):
         run = None
@@ -150,15 +148,17 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             part = self._part(run, request.part, context)
             if part.key in grads:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice")
-            grad = self._decode(part, request.part, context)
-            if not bool(torch.isfinite(grad).all()):
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"gradient of {part.key[0]}/{part.key[1]} has NaN or Inf",
-                )
-            grads[part.key] = grad
-            versions[part.key] = request.part.version
-            nbytes += len(request.part.payload)
+            # Every read of a protobuf bytes field copies it: read the payload once. Decoding
+            # rejects NaN/Inf (every codec checks what it decodes), so no second pass is needed.
+            msg = request.part
+            payload = msg.payload
+            try:
+                grads[part.key] = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
+            except CodecError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gradient of {msg.name}/{msg.index}: {e}")
+            versions[part.key] = msg.version
+            nbytes += len(payload)
+            del payload, msg, request  # the raw message is dead weight once decoded
         if run is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
         _, worker_id, step = header
@@ -191,6 +191,42 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 min_version=min((p.version for p in run.parts.values()), default=0),
                 device=str(self.device),
             )
+
+    def GroupAverage(self, request_iterator, context) -> Iterator[shard_pb2.GroupAverageResponse]:
+        run = None
+        deposit: dict[PartKey, torch.Tensor] = {}
+        header = None
+        for request in request_iterator:
+            if run is None:
+                run, rule = self._run(request.run_id, context)
+                header = (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global)
+            elif (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global) != header:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
+            part = self._part(run, request.part, context)
+            deposit[part.key] = self._decode(part, request.part, context)
+        if run is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty deposit")
+        _, worker_id, step, members, is_global = header
+        if worker_id not in members:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker {worker_id} is not in its own group {members}")
+        with run.cond:
+            try:
+                averages, frontier = rule.group_average(worker_id, step, frozenset(members), is_global, deposit)
+            except PushRejected as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            run.cond.notify_all()
+            # Encoded under the lock: a round's result is fixed, but the bytes are the snapshot.
+            replies = [
+                (run.parts[key], encode_part(avg.cpu(), _NONE, lz4_threshold=None)[0]) for key, avg in averages.items()
+            ]
+        for part, payload in replies:
+            response = shard_pb2.GroupAverageResponse()
+            out = response.part
+            out.name, out.index, out.offset, out.count = part.key[0], part.key[1], part.offset, part.count
+            out.dtype = tensor_pb2.DTYPE_FLOAT32
+            out.codec.codec = tensor_pb2.CODEC_NONE
+            out.payload, out.version = payload, frontier
+            yield response
 
     @staticmethod
     def _part(run: RunState, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> Part:

@@ -26,9 +26,9 @@ def _spec(scheme: str, **kw) -> run_pb2.RunSpec:
         scheme=scheme,
         workers=2,
         batch_size=32,
-        epochs=4,
+        epochs=8,
         eval_every=0,
-        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1, momentum=0.9),
+        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.2),
     )
     base.update(kw)
     return run_pb2.RunSpec(**base)

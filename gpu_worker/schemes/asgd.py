@@ -22,7 +22,7 @@ class AsgdWorker(WorkerScheme):
     def start(self) -> None:
         self.client.pull(self.params)
 
-    def after_backward(self, step: int) -> None:
+    def after_backward(self, step: int) -> int:
         grads = self.trainer.grads()
         for name, g in grads.items():
             self.accrued[name].add_(g)
@@ -35,6 +35,7 @@ class AsgdWorker(WorkerScheme):
         else:
             for name, p in self.params.items():
                 p.add_(grads[name], alpha=-self.lr)
+        return step + 1
 
     def finish(self) -> None:
         if any(bool(acc.any()) for acc in self.accrued.values()):

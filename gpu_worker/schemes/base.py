@@ -24,8 +24,9 @@ class WorkerScheme(ABC):
         """Take the initial global weights."""
 
     @abstractmethod
-    def after_backward(self, step: int) -> None:
-        """Gradients of local step `step` are in the parameters' .grad."""
+    def after_backward(self, step: int) -> int:
+        """Gradients of step `step` are in the parameters' .grad; returns the next step (a scheme
+        may skip steps, as a late wagma worker does)."""
 
     def finish(self) -> None:
         """Bring the replica to the final global model (default: pull it)."""

@@ -11,9 +11,10 @@ class SyncWorker(WorkerScheme):
     def start(self) -> None:
         self.client.pull(self.params, min_version=0)
 
-    def after_backward(self, step: int) -> None:
+    def after_backward(self, step: int) -> int:
         self.client.push(self.trainer.grads(), step)
         self.client.pull(self.params, min_version=step + 1)
+        return step + 1
 
     def finish(self) -> None:
         """The replica already holds the final global weights after the last pull."""

@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
-from gradps.codecs.base import Buffer, Codec, CodecError, flat_float32
+from gradps.codecs.base import Buffer, Codec, CodecError, check_count, flat_float32
 from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4, unwrap
 from gradps.codecs.registry import format_codec, get_codec, parse_codec
@@ -67,7 +67,7 @@ def decode_part(
 
     Raises CodecError (-> INVALID_ARGUMENT) on bad parameters, frames or payloads.
     """
-    codec = get_codec(params)
+    codec, count = get_codec(params), check_count(count)
     return codec.decode(unwrap(payload, is_lz4, codec.max_payload_bytes(count)), count, device)
 
 

@@ -25,8 +25,9 @@ class ErrorFeedback:
         """Encode grad + residual[key] with `codec` and keep what it lost as the new residual.
 
         `grad` is the part's gradient (any shape, float dtype, any device); it is flattened and
-        sent as float32. Lossless codecs just encode. When encoding fails (CodecError on NaN/Inf),
-        the part's residual is dropped rather than left half-updated.
+        sent as float32. Lossless codecs just encode. When encoding fails (CodecError on NaN/Inf,
+        ValueError when the part's size changed without a reset), the part's residual is dropped
+        rather than left half-updated.
         """
         flat = flat_float32(grad)  # may alias grad: only read
         if not codec.lossy:

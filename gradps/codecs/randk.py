@@ -1,7 +1,8 @@
 """CODEC_RANDK: k indices drawn uniformly at random without replacement (sparse layout).
 
 The values are sent as they are, not scaled by count / k: error feedback at the sender keeps what
-was not sent, so nothing is lost and no variance is added.
+was not sent and sends it later, so rescaling (which only makes one step unbiased) would just add
+variance.
 """
 
 from __future__ import annotations

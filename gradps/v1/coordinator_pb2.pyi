@@ -26,7 +26,7 @@ RUN_STATE_FAILED: RunState
 RUN_STATE_STOPPED: RunState
 
 class Metrics(_message.Message):
-    __slots__ = ("worker_id", "rank", "step", "loss", "test_accuracy", "test_loss", "samples", "elapsed_s", "bytes_pushed", "bytes_pulled", "staleness_sum", "pushes", "staleness_max", "wait_s", "done", "error", "total_steps")
+    __slots__ = ("worker_id", "rank", "step", "loss", "test_accuracy", "test_loss", "samples", "elapsed_s", "bytes_pushed", "bytes_pulled", "staleness_sum", "pushes", "staleness_max", "wait_s", "done", "error", "total_steps", "weights_digest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class Metrics(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     rank: int
     step: int
@@ -61,7 +62,8 @@ class Metrics(_message.Message):
     done: bool
     error: str
     total_steps: int
-    def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    weights_digest: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., weights_digest: _Optional[bytes] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message")

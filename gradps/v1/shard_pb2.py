@@ -26,7 +26,7 @@ from gradps.v1 import run_pb2 as gradps_dot_v1_dot_run__pb2
 from gradps.v1 import tensor_pb2 as gradps_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gradps/v1/shard.proto\x12\tgradps.v1\x1a\x13gradps/v1/run.proto\x1a\x16gradps/v1/tensor.proto\"Z\n\rPartPlacement\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\r\n\x05shard\x18\x05 \x01(\r\"}\n\tPlacement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06shards\x18\x02 \x03(\t\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.gradps.v1.TensorSpec\x12\'\n\x05parts\x18\x04 \x03(\x0b\x32\x18.gradps.v1.PartPlacement\"\xa6\x01\n\x0eOpenRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.gradps.v1.RunSpec\x12\'\n\tplacement\x18\x03 \x01(\x0b\x32\x14.gradps.v1.Placement\x12\x13\n\x0bshard_index\x18\x04 \x01(\r\x12\x0f\n\x07workers\x18\x05 \x03(\r\x12\x13\n\x0btotal_steps\x18\x06 \x01(\x04\"\x11\n\x0fOpenRunResponse\"!\n\x0f\x43loseRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x12\n\x10\x43loseRunResponse\"K\n\x14SetMembershipRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x14\n\x0clive_workers\x18\x03 \x03(\r\"\x17\n\x15SetMembershipResponse\"M\n\x16RegisterTensorsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x04part\x18\x02 \x01(\x0b\x32\x15.gradps.v1.TensorPart\".\n\x17RegisterTensorsResponse\x12\x13\n\x0binitialised\x18\x01 \x01(\r\"&\n\x07PartRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"\xa0\x01\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12!\n\x05parts\x18\x03 \x03(\x0b\x32\x12.gradps.v1.PartRef\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12%\n\x05\x63odec\x18\x06 \x01(\x0b\x32\x16.gradps.v1.CodecParams\"3\n\x0cPullResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\"c\n\x0bPushRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12#\n\x04part\x18\x04 \x01(\x0b\x32\x15.gradps.v1.TensorPart\"A\n\x0cPushResponse\x12\r\n\x05parts\x18\x01 \x01(\r\x12\x11\n\tstaleness\x18\x02 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x97\x01\n\x10GetStatsResponse\x12\r\n\x05parts\x18\x01 \x01(\r\x12\x13\n\x0bparam_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06pushes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_pushed\x18\x04 \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\x05 \x01(\x04\x12\x13\n\x0bmin_version\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t2\x80\x04\n\x0cShardService\x12@\n\x07OpenRun\x12\x19.gradps.v1.OpenRunRequest\x1a\x1a.gradps.v1.OpenRunResponse\x12\x43\n\x08\x43loseRun\x12\x1a.gradps.v1.CloseRunRequest\x1a\x1b.gradps.v1.CloseRunResponse\x12R\n\rSetMembership\x12\x1f.gradps.v1.SetMembershipRequest\x1a .gradps.v1.SetMembershipResponse\x12Z\n\x0fRegisterTensors\x12!.gradps.v1.RegisterTensorsRequest\x1a\".gradps.v1.RegisterTensorsResponse(\x01\x12\x39\n\x04Pull\x12\x16.gradps.v1.PullRequest\x1a\x17.gradps.v1.PullResponse0\x01\x12\x39\n\x04Push\x12\x16.gradps.v1.PushRequest\x1a\x17.gradps.v1.PushResponse(\x01\x12\x43\n\x08GetStats\x12\x1a.gradps.v1.GetStatsRequest\x1a\x1b.gradps.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gradps/v1/shard.proto\x12\tgradps.v1\x1a\x13gradps/v1/run.proto\x1a\x16gradps/v1/tensor.proto\"Z\n\rPartPlacement\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\r\n\x05shard\x18\x05 \x01(\r\"}\n\tPlacement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06shards\x18\x02 \x03(\t\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.gradps.v1.TensorSpec\x12\'\n\x05parts\x18\x04 \x03(\x0b\x32\x18.gradps.v1.PartPlacement\"\xa6\x01\n\x0eOpenRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.gradps.v1.RunSpec\x12\'\n\tplacement\x18\x03 \x01(\x0b\x32\x14.gradps.v1.Placement\x12\x13\n\x0bshard_index\x18\x04 \x01(\r\x12\x0f\n\x07workers\x18\x05 \x03(\r\x12\x13\n\x0btotal_steps\x18\x06 \x01(\x04\"\x11\n\x0fOpenRunResponse\"!\n\x0f\x43loseRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x12\n\x10\x43loseRunResponse\"K\n\x14SetMembershipRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x14\n\x0clive_workers\x18\x03 \x03(\r\"\x17\n\x15SetMembershipResponse\"`\n\x16RegisterTensorsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x04part\x18\x02 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12\x11\n\toverwrite\x18\x03 \x01(\x08\".\n\x17RegisterTensorsResponse\x12\x13\n\x0binitialised\x18\x01 \x01(\r\"&\n\x07PartRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"\xd8\x01\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12!\n\x05parts\x18\x03 \x03(\x0b\x32\x12.gradps.v1.PartRef\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12%\n\x05\x63odec\x18\x06 \x01(\x0b\x32\x16.gradps.v1.CodecParams\x12\r\n\x05\x63lock\x18\x07 \x01(\x04\x12\x10\n\x08gradient\x18\x08 \x01(\x08\x12\x15\n\rgradient_step\x18\t \x01(\x04\"3\n\x0cPullResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\"c\n\x0bPushRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12#\n\x04part\x18\x04 \x01(\x0b\x32\x15.gradps.v1.TensorPart\"A\n\x0cPushResponse\x12\r\n\x05parts\x18\x01 \x01(\r\x12\x11\n\tstaleness\x18\x02 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\"\x8f\x01\n\x13GroupAverageRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\r\x12\x11\n\tis_global\x18\x05 \x01(\x08\x12#\n\x04part\x18\x06 \x01(\x0b\x32\x15.gradps.v1.TensorPart\";\n\x14GroupAverageResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x97\x01\n\x10GetStatsResponse\x12\r\n\x05parts\x18\x01 \x01(\r\x12\x13\n\x0bparam_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06pushes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_pushed\x18\x04 \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\x05 \x01(\x04\x12\x13\n\x0bmin_version\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t2\xd5\x04\n\x0cShardService\x12@\n\x07OpenRun\x12\x19.gradps.v1.OpenRunRequest\x1a\x1a.gradps.v1.OpenRunResponse\x12\x43\n\x08\x43loseRun\x12\x1a.gradps.v1.CloseRunRequest\x1a\x1b.gradps.v1.CloseRunResponse\x12R\n\rSetMembership\x12\x1f.gradps.v1.SetMembershipRequest\x1a .gradps.v1.SetMembershipResponse\x12Z\n\x0fRegisterTensors\x12!.gradps.v1.RegisterTensorsRequest\x1a\".gradps.v1.RegisterTensorsResponse(\x01\x12\x39\n\x04Pull\x12\x16.gradps.v1.PullRequest\x1a\x17.gradps.v1.PullResponse0\x01\x12\x39\n\x04Push\x12\x16.gradps.v1.PushRequest\x1a\x17.gradps.v1.PushResponse(\x01\x12\x43\n\x08GetStats\x12\x1a.gradps.v1.GetStatsRequest\x1a\x1b.gradps.v1.GetStatsResponse\x12S\n\x0cGroupAverage\x12\x1e.gradps.v1.GroupAverageRequest\x1a\x1f.gradps.v1.GroupAverageResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,23 +50,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETMEMBERSHIPRESPONSE']._serialized_start=620
   _globals['_SETMEMBERSHIPRESPONSE']._serialized_end=643
   _globals['_REGISTERTENSORSREQUEST']._serialized_start=645
-  _globals['_REGISTERTENSORSREQUEST']._serialized_end=722
-  _globals['_REGISTERTENSORSRESPONSE']._serialized_start=724
-  _globals['_REGISTERTENSORSRESPONSE']._serialized_end=770
-  _globals['_PARTREF']._serialized_start=772
-  _globals['_PARTREF']._serialized_end=810
-  _globals['_PULLREQUEST']._serialized_start=813
-  _globals['_PULLREQUEST']._serialized_end=973
-  _globals['_PULLRESPONSE']._serialized_start=975
-  _globals['_PULLRESPONSE']._serialized_end=1026
-  _globals['_PUSHREQUEST']._serialized_start=1028
-  _globals['_PUSHREQUEST']._serialized_end=1127
-  _globals['_PUSHRESPONSE']._serialized_start=1129
-  _globals['_PUSHRESPONSE']._serialized_end=1194
-  _globals['_GETSTATSREQUEST']._serialized_start=1196
-  _globals['_GETSTATSREQUEST']._serialized_end=1229
-  _globals['_GETSTATSRESPONSE']._serialized_start=1232
-  _globals['_GETSTATSRESPONSE']._serialized_end=1383
-  _globals['_SHARDSERVICE']._serialized_start=1386
-  _globals['_SHARDSERVICE']._serialized_end=1898
+  _globals['_REGISTERTENSORSREQUEST']._serialized_end=741
+  _globals['_REGISTERTENSORSRESPONSE']._serialized_start=743
+  _globals['_REGISTERTENSORSRESPONSE']._serialized_end=789
+  _globals['_PARTREF']._serialized_start=791
+  _globals['_PARTREF']._serialized_end=829
+  _globals['_PULLREQUEST']._serialized_start=832
+  _globals['_PULLREQUEST']._serialized_end=1048
+  _globals['_PULLRESPONSE']._serialized_start=1050
+  _globals['_PULLRESPONSE']._serialized_end=1101
+  _globals['_PUSHREQUEST']._serialized_start=1103
+  _globals['_PUSHREQUEST']._serialized_end=1202
+  _globals['_PUSHRESPONSE']._serialized_start=1204
+  _globals['_PUSHRESPONSE']._serialized_end=1269
+  _globals['_GROUPAVERAGEREQUEST']._serialized_start=1272
+  _globals['_GROUPAVERAGEREQUEST']._serialized_end=1415
+  _globals['_GROUPAVERAGERESPONSE']._serialized_start=1417
+  _globals['_GROUPAVERAGERESPONSE']._serialized_end=1476
+  _globals['_GETSTATSREQUEST']._serialized_start=1478
+  _globals['_GETSTATSREQUEST']._serialized_end=1511
+  _globals['_GETSTATSRESPONSE']._serialized_start=1514
+  _globals['_GETSTATSRESPONSE']._serialized_end=1665
+  _globals['_SHARDSERVICE']._serialized_start=1668
+  _globals['_SHARDSERVICE']._serialized_end=2265
 # @@protoc_insertion_point(module_scope)

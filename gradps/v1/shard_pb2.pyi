@@ -79,12 +79,14 @@ class SetMembershipResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterTensorsRequest(_message.Message):
-    __slots__ = ("run_id", "part")
+    __slots__ = ("run_id", "part", "overwrite")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     part: _tensor_pb2.TensorPart
-    def __init__(self, run_id: _Optional[str] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+    overwrite: bool
+    def __init__(self, run_id: _Optional[str] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., overwrite: _Optional[bool] = ...) -> None: ...
 
 class RegisterTensorsResponse(_message.Message):
     __slots__ = ("initialised",)
@@ -101,20 +103,26 @@ class PartRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "parts", "min_version", "wait_ms", "codec")
+    __slots__ = ("run_id", "worker_id", "parts", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     parts: _containers.RepeatedCompositeFieldContainer[PartRef]
     min_version: int
     wait_ms: int
     codec: _tensor_pb2.CodecParams
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ...) -> None: ...
+    clock: int
+    gradient: bool
+    gradient_step: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("part",)
@@ -143,6 +151,28 @@ class PushResponse(_message.Message):
     staleness: int
     applied: bool
     def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class GroupAverageRequest(_message.Message):
+    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    IS_GLOBAL_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    worker_id: int
+    step: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    is_global: bool
+    part: _tensor_pb2.TensorPart
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+
+class GroupAverageResponse(_message.Message):
+    __slots__ = ("part",)
+    PART_FIELD_NUMBER: _ClassVar[int]
+    part: _tensor_pb2.TensorPart
+    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -70,6 +70,11 @@ class ShardServiceStub:
                 request_serializer=gradps_dot_v1_dot_shard__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_shard__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.GroupAverage = channel.stream_stream(
+                '/gradps.v1.ShardService/GroupAverage',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.GroupAverageRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.GroupAverageResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -126,6 +131,15 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GroupAverage(self, request_iterator, context):
+        """Worker -> shard (wagma): deposit this worker's model parts for a group round and receive the
+        round's average. The first arrival fixes the average from every member's latest deposit;
+        a global round waits for every live member instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +177,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=gradps_dot_v1_dot_shard__pb2.GetStatsRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_shard__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'GroupAverage': grpc.stream_stream_rpc_method_handler(
+                    servicer.GroupAverage,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.GroupAverageRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.GroupAverageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +374,33 @@ class ShardService:
             '/gradps.v1.ShardService/GetStats',
             gradps_dot_v1_dot_shard__pb2.GetStatsRequest.SerializeToString,
             gradps_dot_v1_dot_shard__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GroupAverage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gradps.v1.ShardService/GroupAverage',
+            gradps_dot_v1_dot_shard__pb2.GroupAverageRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.GroupAverageResponse.FromString,
             options,
             channel_credentials,
             insecure,

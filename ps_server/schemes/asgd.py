@@ -1,19 +1,64 @@
-"""asgd (GPU A-SGD, Downpour style): apply every push at once."""
+"""asgd (GPU A-SGD, Downpour style): apply every push at once.
+
+Options, off by default: staleness-aware learning rate lr / max(1, tau) (Zhang et al. 2016), and
+DC-ASGD delay compensation g + lambda * g * g * (w_now - w_pulled) (Zheng et al. 2017), with the
+adaptive variant lambda_t = lambda / sqrt(mean square of g).
+"""
 
 from __future__ import annotations
 
-from ps_server.run_state import Push
+import torch
+
+from gradps.placement import PartKey
+from ps_server.run_state import Part, Push
 from ps_server.schemes.base import ShardRule
+
+_MEAN_SQUARE_MOMENTUM = 0.95
 
 
 class AsgdRule(ShardRule):
     """w <- opt(w, g) on arrival; staleness = version now - version the gradient was computed on."""
 
+    def __init__(self, run) -> None:
+        super().__init__(run)
+        sp = run.spec.scheme_params
+        self.staleness_lr = sp.staleness_lr
+        self.dc_lambda = sp.dc_lambda
+        self.dc_adaptive = sp.dc_adaptive
+        # DC-ASGD: the weights each worker last pulled (its "backup" in the paper).
+        self.pulled: dict[int, dict[PartKey, torch.Tensor]] = {}
+        self.mean_square: dict[PartKey, torch.Tensor] = {}
+
+    def on_pull(self, worker_id: int, parts: list[Part]) -> None:
+        if self.dc_lambda:
+            backup = self.pulled.setdefault(worker_id, {})
+            for p in parts:
+                backup[p.key] = p.values.clone()
+
     def push(self, push: Push) -> int:
         staleness = 0
         for key, grad in push.grads.items():
             part = self.run.parts[key]
-            staleness = max(staleness, part.version - push.versions[key])
-            part.optimizer.apply(grad)
+            tau = part.version - push.versions[key]
+            staleness = max(staleness, tau)
+            if self.dc_lambda:
+                grad = self._compensate(push.worker_id, part, grad)
+            part.optimizer.apply(grad, lr_scale=1.0 / max(1, tau) if self.staleness_lr else 1.0)
             part.version += 1
         return staleness
+
+    def _compensate(self, worker_id: int, part: Part, grad: torch.Tensor) -> torch.Tensor:
+        pulled = self.pulled.get(worker_id, {}).get(part.key)
+        if pulled is None:
+            return grad
+        lam = self.dc_lambda
+        if self.dc_adaptive:
+            ms = self.mean_square.get(part.key)
+            ms = (
+                grad * grad
+                if ms is None
+                else ms.mul_(_MEAN_SQUARE_MOMENTUM).addcmul_(grad, grad, value=1 - _MEAN_SQUARE_MOMENTUM)
+            )
+            self.mean_square[part.key] = ms
+            lam = lam / (ms.sqrt() + 1e-7)
+        return grad + lam * grad * grad * (part.values - pulled)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from ps_server.run_state import Push, RunState
+import torch
+
+from gradps.placement import PartKey
+from gradps.v1 import shard_pb2
+from ps_server.run_state import Part, Push, PushRejected, RunState
 
 
 class ShardRule(ABC):
-    """How a shard turns pushes into updates for one run. Called with `run.cond` held."""
+    """How a shard turns pushes into updates for one run. Every hook is called with `run.cond` held."""
 
     def __init__(self, run: RunState) -> None:
         self.run = run
@@ -19,3 +23,22 @@ class ShardRule(ABC):
 
     def membership_changed(self) -> None:  # noqa: B027 (optional hook)
         """The live workers changed; finish anything that was waiting for the dead."""
+
+    def pull_ready(self, parts: list[Part], request: shard_pb2.PullRequest) -> bool:
+        """May this pull be answered now? (Re-evaluated whenever the run changes.)"""
+        if request.gradient:
+            raise PushRejected(f"scheme {self.run.spec.scheme!r} keeps no reduced gradients")
+        return all(p.initialised and p.version >= request.min_version for p in parts)
+
+    def pull_values(self, part: Part, request: shard_pb2.PullRequest) -> torch.Tensor:
+        """What a pull of `part` returns (the weights, by default)."""
+        return part.values
+
+    def on_pull(self, worker_id: int, parts: list[Part]) -> None:  # noqa: B027 (optional hook)
+        """A pull of `parts` by `worker_id` is being answered."""
+
+    def group_average(
+        self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
+    ) -> tuple[dict[PartKey, torch.Tensor], int]:
+        """A group round (wagma). Returns the round's averages and the highest step deposited."""
+        raise PushRejected(f"scheme {self.run.spec.scheme!r} has no group rounds")

@@ -4,49 +4,61 @@ from __future__ import annotations
 
 import torch
 
-from ps_server.run_state import PartKey, Push, PushRejected
+from gradps.placement import PartKey
+from ps_server.run_state import Part, Push, PushRejected
 from ps_server.schemes.base import ShardRule
 
 
 class SyncRule(ShardRule):
-    """Sum each part's gradients for step t; when every live worker has pushed, apply the mean.
+    """Sum each part's gradients per step; when every live worker has pushed step t, apply the mean.
 
-    A part's version is the number of steps applied, so the pull for step t waits for
+    A part's version is the number of steps completed, so the pull for step t waits for
     version >= t. A dead worker leaves the count when the coordinator sends the new membership.
     """
 
+    # How many steps ahead of a part's version a push may be (pseudosync pushes without waiting).
+    max_ahead = 0
+
     def __init__(self, run) -> None:
         super().__init__(run)
-        # Per part: (sum of gradients, workers that contributed) for the part's current step.
-        self.pending: dict[PartKey, tuple[torch.Tensor, set[int]]] = {}
+        # Per part and step: (sum of gradients, workers that contributed).
+        self.pending: dict[PartKey, dict[int, tuple[torch.Tensor, set[int]]]] = {}
 
     def push(self, push: Push) -> int:
         for key in push.grads:
             version = self.run.parts[key].version
-            if push.step > version:
+            if push.step > version + self.max_ahead:
                 raise PushRejected(f"step {push.step} is ahead of part {key[0]}/{key[1]} at step {version}")
         for key, grad in push.grads.items():
             part = self.run.parts[key]
             if push.step < part.version:
-                continue  # that step was applied without this (late) worker
-            total, contributors = self.pending.get(key, (None, set()))
+                continue  # that step was completed without this (late) worker
+            steps = self.pending.setdefault(key, {})
+            total, contributors = steps.get(push.step, (None, set()))
             if push.worker_id in contributors:
                 continue
             total = grad.clone() if total is None else total.add_(grad)
             contributors.add(push.worker_id)
-            self.pending[key] = (total, contributors)
-            self._maybe_apply(key)
+            steps[push.step] = (total, contributors)
+            self._complete_ready(key)
         return 0
 
     def membership_changed(self) -> None:
         for key in list(self.pending):
-            self._maybe_apply(key)
+            self._complete_ready(key)
 
-    def _maybe_apply(self, key: PartKey) -> None:
-        total, contributors = self.pending[key]
-        if not self.run.live_workers <= contributors:
-            return
+    def _complete_ready(self, key: PartKey) -> None:
+        """Complete the part's steps in order while every live worker has contributed."""
         part = self.run.parts[key]
-        part.optimizer.apply(total.div_(len(contributors)))
-        part.version += 1
-        del self.pending[key]
+        steps = self.pending[key]
+        while part.version in steps:
+            total, contributors = steps[part.version]
+            if not self.run.live_workers <= contributors:
+                return
+            del steps[part.version]
+            self._complete(part, total.div_(len(contributors)))
+            part.version += 1
+
+    def _complete(self, part: Part, mean: torch.Tensor) -> None:
+        """What the step's exact mean gradient does: sync applies it to the weights."""
+        part.optimizer.apply(mean)

@@ -1,0 +1,18 @@
+"""`gradps bench`: measurements of the transport, a training step and a shard's memory, each
+against a reference measured in the same run (this machine is shared and noisy)."""
+
+from __future__ import annotations
+
+import click
+
+from client.bench.transport import transport
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+def bench() -> None:
+    """Benchmarks: transport, step, memory, adam."""
+
+
+bench.add_command(transport)
+
+__all__ = ["bench"]

@@ -1,0 +1,210 @@
+"""`gradps bench transport`: push + pull of a parameter set through real shard processes, beside
+raw loopback TCP and torch gloo all_reduce of the same bytes, measured in one invocation."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from client.bench.references import gloo_all_reduce, median, tcp_ping_pong
+from client.bench.workers import BenchWorkers, Job
+from client.local_cluster import LocalCluster
+from client.sdk import Client
+from gradps.codecs import parse_codec
+from gradps.v1 import run_pb2
+
+MiB = 1 << 20
+# A round moves at least this many bytes per worker (small sizes repeat within a round).
+_ROUND_BYTES = 32 * MiB
+
+
+@dataclass
+class Row:
+    """One measured configuration. Times are medians over rounds, per iteration."""
+
+    # push_pull: each worker pushes a gradient (asgd) and pulls the weights; sync_step: each
+    # worker pushes step t's gradient and pulls the weights of step t + 1 (sync).
+    op: str
+    size_mib: float
+    shards: int
+    workers: int
+    codec: str
+    part_mib: float
+    # Seconds per iteration (push + pull) with all workers running at once.
+    seconds: float
+    # Bytes of fp32 parameters moved per second over all workers: workers * 2 * size / seconds.
+    gbps: float
+    # Raw loopback TCP, the same bytes out and back between two processes: 2 * size / seconds.
+    tcp_gbps: float
+    ratio_vs_tcp: float
+    # gloo all_reduce of the same tensor between `workers` processes (None for one worker).
+    gloo_seconds: float | None
+    # seconds / gloo_seconds: below 1 is faster than gloo.
+    ratio_vs_gloo: float | None
+    # Fastest round, for a noisy machine.
+    seconds_min: float
+    rounds: int
+    # Per worker and iteration, summed over shard threads: client-side encode/decode seconds.
+    encode_s: float
+    decode_s: float
+
+
+def _iters(size: int) -> int:
+    return max(1, math.ceil(_ROUND_BYTES / size))
+
+
+def _submit(address: str, op: str, workers: int, codec: str, part_size: int, steps: int, optimizer: str) -> str:
+    spec = run_pb2.RunSpec(
+        scheme="sync" if op == "sync_step" else "asgd",
+        workers=workers,
+        steps=steps,
+        part_size=part_size,
+        codec=parse_codec(codec),
+        eval_every=0,
+        optimizer=run_pb2.OptimizerSpec(name=optimizer, lr=0.01, momentum=0.0),
+    )
+    with Client(address) as client:
+        return client.submit(spec)
+
+
+def measure_transport(
+    sizes_mib: list[float],
+    shards_list: list[int],
+    workers_list: list[int],
+    codecs: list[str],
+    rounds: int = 5,
+    warmup: int = 2,
+    part_size: int = 4 * MiB,
+    console: Console | None = None,
+) -> list[Row]:
+    """Every (op, size, shards, workers, codec) combination, plus the TCP and gloo references."""
+    log = console.log if console else (lambda *a, **k: None)
+    sizes = [int(s * MiB) for s in sizes_mib]
+    iters = [_iters(s) for s in sizes]
+    log("reference: loopback TCP ping-pong")
+    tcp = {s: median(t) for s, t in tcp_ping_pong(sizes, rounds, iters).items()}
+    gloo: dict[int, dict[int, float]] = {}
+    for w in sorted({w for w in workers_list if w > 1}):
+        log(f"reference: gloo all_reduce, {w} processes")
+        gloo[w] = {s: median(t) for s, t in gloo_all_reduce(w, sizes, rounds, iters).items()}
+    rows: list[Row] = []
+    ops = [("push_pull", w) for w in workers_list] + [("sync_step", w) for w in workers_list if w > 1]
+    for n_shards in shards_list:
+        with LocalCluster(shards=n_shards, workers=0) as cluster:
+            with BenchWorkers(cluster.address, max(workers_list)) as bench_workers:
+                for op, w in ops:
+                    for codec in codecs:
+                        for size_mib, size, n in zip(sizes_mib, sizes, iters, strict=True):
+                            log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, codec {codec}")
+                            steps = warmup + rounds * n + 1
+                            run_id = _submit(cluster.address, op, w, codec, part_size, steps, "sgd")
+                            job = Job(run_id, op, size_mib, codec, warmup, rounds, n)
+                            times = bench_workers.run(job, w)
+                            per_iter = [t / n for t in times.seconds()]
+                            seconds = statistics.median(per_iter)
+                            moved = w * 2 * size
+                            gloo_s = gloo.get(w, {}).get(size)
+                            calls = warmup + rounds * n
+                            rows.append(
+                                Row(
+                                    op=op,
+                                    size_mib=size_mib,
+                                    shards=n_shards,
+                                    workers=w,
+                                    codec=codec,
+                                    part_mib=part_size / MiB,
+                                    seconds=seconds,
+                                    gbps=moved / seconds / 1e9,
+                                    tcp_gbps=2 * size / tcp[size] / 1e9,
+                                    ratio_vs_tcp=(moved / seconds) / (2 * size / tcp[size]),
+                                    gloo_seconds=gloo_s,
+                                    ratio_vs_gloo=seconds / gloo_s if gloo_s else None,
+                                    seconds_min=min(per_iter),
+                                    rounds=rounds,
+                                    encode_s=statistics.mean(t["encode_s"] for t in times.traffic) / calls,
+                                    decode_s=statistics.mean(t["decode_s"] for t in times.traffic) / calls,
+                                )
+                            )
+    return rows
+
+
+def print_rows(rows: list[Row], console: Console) -> None:
+    table = Table(
+        "op", "MiB", "shards", "workers", "codec", "ms", "GB/s", "TCP GB/s", "vs TCP", "gloo ms", "vs gloo",
+        title="gradps bench transport (medians; GB/s = fp32 bytes pushed + pulled over all workers)",
+    )  # fmt: skip
+    for r in rows:
+        table.add_row(
+            r.op,
+            f"{r.size_mib:g}",
+            str(r.shards),
+            str(r.workers),
+            r.codec,
+            f"{r.seconds * 1e3:.1f}",
+            f"{r.gbps:.2f}",
+            f"{r.tcp_gbps:.2f}",
+            f"{r.ratio_vs_tcp:.0%}",
+            f"{r.gloo_seconds * 1e3:.1f}" if r.gloo_seconds else "-",
+            f"{r.ratio_vs_gloo:.2f}x" if r.ratio_vs_gloo else "-",
+        )
+    console.print(table)
+
+
+def _csv(kind):
+    def parse(ctx, param, value: str):
+        try:
+            items = [kind(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
+        if not items:
+            raise click.BadParameter("empty list")
+        return items
+
+    return parse
+
+
+def _positive_ints(ctx, param, value: str) -> list[int]:
+    items = _csv(int)(ctx, param, value)
+    if any(v < 1 for v in items):
+        raise click.BadParameter("every value must be >= 1")
+    return items
+
+
+def _codecs(ctx, param, value: str) -> list[str]:
+    items = _csv(str)(ctx, param, value)
+    for codec in items:
+        try:
+            parse_codec(codec)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return items
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--sizes", default="1,16,64,256", callback=_csv(float), help="Parameter set sizes, MiB.")
+@click.option("--shards", "shards_list", default="1,2", callback=_positive_ints, help="Shard counts.")
+@click.option("--workers", "workers_list", default="1,2", callback=_positive_ints, help="Worker counts.")
+@click.option("--codec", "codecs", default="none", callback=_codecs, help="Push codecs, e.g. none,int8.")
+@click.option("--rounds", default=5, type=click.IntRange(min=1), help="Timed rounds per configuration.")
+@click.option("--part-size", default=4.0, type=click.FloatRange(min=0.001, max=64), help="Part size, MiB.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
+def transport(sizes, shards_list, workers_list, codecs, rounds, part_size, json_path) -> None:
+    """Push + pull through real shard processes beside loopback TCP and gloo all_reduce."""
+    if any(s <= 0 for s in sizes):
+        raise click.BadParameter("sizes must be positive", param_hint="--sizes")
+    console = Console(stderr=True)
+    rows = measure_transport(
+        sizes, shards_list, workers_list, codecs, rounds=rounds, part_size=int(part_size * MiB), console=console
+    )
+    print_rows(rows, Console())
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        console.log(f"wrote {json_path}")

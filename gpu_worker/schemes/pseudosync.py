@@ -1,0 +1,82 @@
+"""pseudosync: update with a predicted gradient while the current step's reduction runs.
+
+    g_t^i <- grad(w_t);  push g_t^i without waiting;  the shards reduce G_t = mean_i g_t^i
+    h_t = a_t * G_{t-1} + (1 - a_t) * h_{t-1}          (predicted gradient, exponential smoothing)
+    w_{t+1} <- opt(w_t, h_t)
+
+a_t adapts from how well history predicted the newest global gradient: c = cos(h_{t-1}, G_{t-1});
+a good prediction (c near 1) trusts history more (smaller a), a poor one less:
+a_t = clip((a_{t-1} + (1 - c)) / 2, a_min, 1). Every quantity is global, so replicas stay
+bit-identical. `fixed_alpha` keeps a fixed; a = 1 is the plain one-step-delayed gradient.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from gpu_worker.schemes.base import WorkerScheme
+from ps_server.optimizer import ScheduledOptimizer
+
+
+class PseudosyncWorker(WorkerScheme):
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer)
+        sp = trainer.spec.scheme_params
+        self.alpha = sp.alpha or 0.5
+        self.alpha_min = sp.alpha_min or 0.1
+        self.adaptive = not sp.fixed_alpha
+        self.optimizer = ScheduledOptimizer(list(self.params.values()), trainer.spec.optimizer, trainer.total_steps)
+        self.predicted: dict[str, torch.Tensor] | None = None
+        self.global_grad = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        # One thread: pushes go out in step order while the worker computes the next step.
+        self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pseudosync-push")
+        self._pushing: Future | None = None
+
+    def start(self) -> None:
+        self.client.pull(self.params)
+
+    def after_backward(self, step: int) -> int:
+        grads = {n: g.clone() for n, g in self.trainer.grads().items()}
+        if self._pushing is not None:
+            self._pushing.result()  # surface a failed push; normally long done
+        self._pushing = self._pusher.submit(self.client.push, grads, step)
+        if step >= 1:
+            self._apply_global(step - 1)
+        return step + 1
+
+    def _apply_global(self, step: int) -> None:
+        """Fetch G_step, form the predicted gradient, update the replica."""
+        self.client.pull_gradient(step, self.global_grad)
+        G = self.global_grad
+        if self.predicted is None:
+            self.predicted = {n: g.clone() for n, g in G.items()}
+        else:
+            if self.adaptive:
+                self.alpha = self._adapt(self.predicted, G)
+            for name, h in self.predicted.items():
+                h.mul_(1.0 - self.alpha).add_(G[name], alpha=self.alpha)
+        for name, p in self.params.items():
+            p.grad = self.predicted[name]
+        self.optimizer.step()
+        for p in self.params.values():
+            p.grad = None
+
+    def _adapt(self, predicted: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> float:
+        dot = sum(float((predicted[n] * actual[n]).sum(dtype=torch.float64)) for n in actual)
+        norm_h = sum(float(predicted[n].pow(2).sum(dtype=torch.float64)) for n in actual) ** 0.5
+        norm_g = sum(float(actual[n].pow(2).sum(dtype=torch.float64)) for n in actual) ** 0.5
+        cosine = dot / (norm_h * norm_g) if norm_h > 0 and norm_g > 0 else 0.0
+        return min(1.0, max(self.alpha_min, (self.alpha + (1.0 - cosine)) / 2))
+
+    def finish(self) -> None:
+        """Apply the last step's global gradient; rank 0 publishes the replica for export."""
+        last = self.trainer.steps_done - 1
+        if self._pushing is not None:
+            self._pushing.result()
+        if last >= 0:
+            self._apply_global(last)
+        self._pusher.shutdown(wait=True)
+        if self.trainer.assignment.rank == 0:
+            self.client.publish(self.params)

@@ -1,0 +1,113 @@
+"""Bulk messages (a TensorPart with a large payload) serialized and parsed by hand, so that a
+part's payload is copied once between the tensor and gRPC.
+
+Python protobuf copies a `bytes` field when it is assigned, when the message is serialized, when
+it is parsed and on every read of the field: at 64 MiB those copies (and the page faults of
+their fresh buffers) cost more than the socket. The workers' Push and Pull calls therefore use
+gRPC's raw-bytes calling convention (no serializer) with the helpers here; the bytes on the wire
+are exactly the protobuf encoding of the messages in `proto/gradps/v1/`, which the shard parses
+with the generated code. Everything but the payload still goes through protobuf.
+"""
+
+from __future__ import annotations
+
+from gradps.v1 import tensor_pb2
+
+Buffer = bytes | bytearray | memoryview
+
+# Wire types (protobuf encoding).
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+# TensorPart.payload is field 7.
+_PAYLOAD_FIELD = 7
+
+
+class WireError(ValueError):
+    """A message that is not valid protobuf encoding of what it should be."""
+
+
+def varint(n: int) -> bytes:
+    """`n` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def length_prefix(field: int, length: int) -> bytes:
+    """The tag and length of a length-delimited field of `length` bytes."""
+    return varint(field << 3 | _LEN) + varint(length)
+
+
+def part_message(header: bytes, part_field: int, meta: tensor_pb2.TensorPart, payload: Buffer) -> list[Buffer]:
+    """The pieces of a message = `header` (its other fields, serialized) + field `part_field` holding
+    `meta` with `payload` as its payload; b"".join of them is the message (one copy of `payload`).
+
+    `meta` must not have a payload of its own (the field would appear twice).
+    """
+    meta_bytes = meta.SerializeToString()
+    size = len(payload)
+    payload_prefix = length_prefix(_PAYLOAD_FIELD, size)
+    part_size = len(meta_bytes) + len(payload_prefix) + size
+    return [header + length_prefix(part_field, part_size) + meta_bytes + payload_prefix, payload]
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise WireError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: memoryview, pos: int, end: int):
+    """(field number, wire type, key start, value start, value end) of each field in buf[pos:end]."""
+    while pos < end:
+        key_start = pos
+        key, pos = _read_varint(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        start = pos
+        if wire_type == _VARINT:
+            _, pos = _read_varint(buf, pos, end)
+        elif wire_type == _I64:
+            pos += 8
+        elif wire_type == _I32:
+            pos += 4
+        elif wire_type == _LEN:
+            size, start = _read_varint(buf, pos, end)
+            pos = start + size
+        else:
+            raise WireError(f"unsupported wire type {wire_type}")
+        if pos > end:
+            raise WireError("field runs past the end of the message")
+        yield field, wire_type, key_start, start, pos
+
+
+def split_part(message: bytes, part_field: int = 1) -> tuple[tensor_pb2.TensorPart, memoryview]:
+    """Parse the TensorPart in field `part_field` of `message` (e.g. a PullResponse) into its
+    metadata (a TensorPart without payload) and a read-only view of its payload, without copying
+    the payload."""
+    buf = memoryview(message)
+    part = None
+    for field, wire_type, _, start, end in _fields(buf, 0, len(buf)):
+        if field == part_field and wire_type == _LEN:
+            part = (start, end)
+    if part is None:
+        raise WireError(f"no field {part_field} in the message")
+    start, end = part
+    payload = buf[0:0]
+    meta = []
+    cursor = start
+    for field, wire_type, key_start, value_start, value_end in _fields(buf, start, end):
+        if field == _PAYLOAD_FIELD and wire_type == _LEN:
+            meta.append(buf[cursor:key_start])
+            payload = buf[value_start:value_end]  # the last occurrence wins, as in protobuf
+            cursor = value_end
+    meta.append(buf[cursor:end])
+    return tensor_pb2.TensorPart.FromString(b"".join(meta)), payload

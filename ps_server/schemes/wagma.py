@@ -1,0 +1,95 @@
+"""wagma (WAGMA-SGD, Li et al. 2021): wait-avoiding group model averaging, held on the shards.
+
+Each worker keeps its own model and deposits it for the round (step, group). The first arrival
+fixes the round's average from every live member's latest deposit at that moment (a late member
+contributes its previous, stale model); every member, early or late, receives that same average;
+nobody waits for a straggler. A global round (every tau steps) waits for every live member.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradps.placement import PartKey
+from ps_server.run_state import Push, PushRejected
+from ps_server.schemes.base import ShardRule
+
+# Deposits kept per worker and part: the newest, and one older in case a newer step arrives
+# before an older round is fixed (a newer deposit is never mixed into an older round).
+_KEEP_DEPOSITS = 2
+_GLOBAL_WAIT_S = 120.0
+
+RoundKey = tuple[int, frozenset[int]]
+
+
+class WagmaRule(ShardRule):
+    def __init__(self, run) -> None:
+        super().__init__(run)
+        # worker -> part -> [(step, values)], oldest first.
+        self.deposits: dict[int, dict[PartKey, list[tuple[int, torch.Tensor]]]] = {}
+        # Fixed results of rounds, kept while a member may still ask for them.
+        self.rounds: dict[RoundKey, dict[PartKey, torch.Tensor]] = {}
+        # Highest step deposited by anyone: a late worker skips ahead to it.
+        self.frontier = 0
+
+    def push(self, push: Push) -> int:
+        raise PushRejected("wagma workers exchange models with GroupAverage, not gradients")
+
+    def group_average(
+        self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
+    ) -> tuple[dict[PartKey, torch.Tensor], int]:
+        if worker_id not in self.run.live_workers:
+            raise PushRejected(f"worker {worker_id} is not a live member of the run")
+        mine = self.deposits.setdefault(worker_id, {})
+        for key, values in deposit.items():
+            history = [d for d in mine.get(key, []) if d[0] != step]
+            history.append((step, values))
+            history.sort(key=lambda d: d[0])
+            mine[key] = history[-_KEEP_DEPOSITS:]
+        self.frontier = max(self.frontier, step)
+        self.run.cond.notify_all()
+        round_key = (step, members)
+        if is_global and round_key not in self.rounds:
+
+            def everyone_deposited() -> bool:
+                return round_key in self.rounds or all(
+                    self._deposit(m, key, step, exact=True) is not None
+                    for m in members & self.run.live_workers
+                    for key in deposit
+                )
+
+            if not self.run.cond.wait_for(everyone_deposited, timeout=_GLOBAL_WAIT_S):
+                raise PushRejected(f"global round {step} timed out waiting for live members")
+        result = self.rounds.get(round_key)
+        if result is None:
+            result = self._fix_round(step, members, list(deposit))
+            self.rounds[round_key] = result
+            self._prune()
+        return {key: result[key] for key in deposit}, self.frontier
+
+    def _deposit(self, worker: int, key: PartKey, step: int, exact: bool = False) -> torch.Tensor | None:
+        """The worker's latest deposit of `key` made at or before `step` (exactly at, if `exact`)."""
+        for s, values in reversed(self.deposits.get(worker, {}).get(key, [])):
+            if s == step or (s < step and not exact):
+                return values
+        return None
+
+    def _fix_round(self, step: int, members: frozenset[int], keys: list[PartKey]) -> dict[PartKey, torch.Tensor]:
+        """The average of each live member's latest deposit at or before `step`; members that
+        have not deposited yet are left out."""
+        result = {}
+        for key in keys:
+            found = [self._deposit(m, key, step) for m in sorted(members & self.run.live_workers)]
+            found = [v for v in found if v is not None]
+            total = found[0].clone()
+            for values in found[1:]:
+                total.add_(values)
+            result[key] = total.div_(len(found))
+        return result
+
+    def _prune(self) -> None:
+        """Drop rounds older than every live worker's newest deposit: nobody will ask again."""
+        newest = [max((h[-1][0] for h in self.deposits.get(w, {}).values()), default=0) for w in self.run.live_workers]
+        oldest_needed = min(newest, default=0)
+        for key in [k for k in self.rounds if k[0] < oldest_needed]:
+            del self.rounds[key]
