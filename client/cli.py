@@ -74,6 +74,15 @@ def spec_options(fn):
         click.option("--part-size", default=4 * 1024 * 1024, type=click.IntRange(min=1), help="Bytes per part."),
         click.option("--n-push", default=1, type=click.IntRange(min=1), help="asgd: push every N steps."),
         click.option("--n-fetch", default=1, type=click.IntRange(min=1), help="asgd: fetch every N steps."),
+        click.option("--staleness-lr", is_flag=True, help="asgd/ssp: lr / max(1, staleness)."),
+        click.option("--dc-lambda", default=0.0, type=click.FloatRange(min=0), help="asgd/ssp: DC-ASGD lambda."),
+        click.option("--dc-adaptive", is_flag=True, help="asgd/ssp: adaptive DC-ASGD lambda."),
+        click.option("--staleness", default=2, type=click.IntRange(min=0), help="ssp: staleness bound s."),
+        click.option("--group-size", default=0, type=click.IntRange(min=0), help="wagma: group size (0: ~sqrt(P))."),
+        click.option("--tau", default=10, type=click.IntRange(min=1), help="wagma: global average every tau steps."),
+        click.option("--alpha", default=0.5, type=click.FloatRange(0, 1, min_open=True), help="pseudosync: initial a."),
+        click.option("--alpha-min", default=0.1, type=click.FloatRange(0, 1, min_open=True), help="pseudosync: min a."),
+        click.option("--fixed-alpha", is_flag=True, help="pseudosync: keep a fixed (no adaptation)."),
         click.option(
             "--straggler", default=None, callback=_straggler, help="RANK:FACTOR: that worker is FACTOR times slower."
         ),
@@ -94,7 +103,19 @@ def build_spec(scheme: str, workers: int, **o) -> run_pb2.RunSpec:
         dataset=o["dataset"],
         dataset_size=o["dataset_size"],
         scheme=scheme,
-        scheme_params=run_pb2.SchemeParams(n_push=o["n_push"], n_fetch=o["n_fetch"]),
+        scheme_params=run_pb2.SchemeParams(
+            n_push=o["n_push"],
+            n_fetch=o["n_fetch"],
+            staleness_lr=o["staleness_lr"],
+            dc_lambda=o["dc_lambda"],
+            dc_adaptive=o["dc_adaptive"],
+            staleness=o["staleness"],
+            group_size=o["group_size"],
+            tau=o["tau"],
+            alpha=o["alpha"],
+            alpha_min=o["alpha_min"],
+            fixed_alpha=o["fixed_alpha"],
+        ),
         optimizer=run_pb2.OptimizerSpec(
             name=o["optimizer"],
             lr=o["lr"],
@@ -270,6 +291,40 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out)
     click.echo(f"wrote {out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters")
+
+
+@cli.command(context_settings=_CONTEXT)
+@_cluster_options
+@click.option("--schemes", default=",".join(SCHEMES), help="Comma-separated schemes, run one after another.")
+@click.option("--workers", default=4, type=click.IntRange(min=1))
+@click.option("--target-accuracy", default=0.95, type=click.FloatRange(0, 1))
+@spec_options
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs") / "compare")
+@click.option("--no-progress", is_flag=True, help="No live progress bars.")
+@one_line_errors
+def compare(coordinator, local, shards, heartbeat_timeout, schemes, workers, target_accuracy, out, no_progress, **o):
+    """Run several schemes on the same cluster, data, seed and model; table, JSON, CSV and a plot."""
+    from client.compare import print_table, run_comparison, write_outputs
+
+    names = [s.strip() for s in schemes.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(SCHEMES))
+    if unknown or not names:
+        raise click.BadParameter(f"unknown scheme(s) {', '.join(unknown)}; choose from {', '.join(SCHEMES)}")
+    if coordinator and local:
+        raise click.UsageError("give --local or --coordinator HOST:PORT, not both")
+    specs = [build_spec(name, workers, **o) for name in names]
+    straggler = o.get("straggler")
+    title = f"{o['model']} on {o['dataset']}, {workers} workers, {shards} shards" + (
+        f", rank {straggler[0]} {straggler[1]:g}x slower" if straggler else ""
+    )
+    if coordinator:
+        rows = run_comparison(coordinator, specs, target_accuracy, out, show_progress=not no_progress)
+    else:  # the default: an embedded cluster, the same one for every scheme
+        with LocalCluster(shards, workers, heartbeat_timeout, log_dir=out / "logs") as cluster:
+            rows = run_comparison(cluster.address, specs, target_accuracy, out, show_progress=not no_progress)
+    write_outputs(rows, target_accuracy, out, title)
+    print_table(rows, target_accuracy)
+    click.echo(f"wrote {out / 'compare.json'}, {out / 'compare.csv'} and {out / 'compare.png'}", err=True)
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
     """The numbers a user compares runs by, from the run's last status."""
     latest = list(run.latest)
     wall = (run.finished_at or run.started_at) - run.started_at if run.started_at else 0.0
-    samples = sum(m.samples for m in latest)
     pushes = sum(m.pushes for m in latest)
     busy = sum(m.elapsed_s for m in latest)
     return {
@@ -38,7 +37,8 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
         "steps": max((m.step for m in latest), default=0),
         "total_steps": run.total_steps,
         "wall_seconds": round(wall, 3),
-        "samples_per_second": round(samples / wall, 1) if wall > 0 else 0.0,
+        # Sum of each worker's own rate: a straggler that finishes last does not hide the others'.
+        "samples_per_second": round(sum(m.samples / m.elapsed_s for m in latest if m.elapsed_s > 0), 1),
         "final_test_accuracy": final.test_accuracy if final is not None else None,
         "final_test_loss": final.test_loss if final is not None else None,
         "final_loss": sum(m.loss for m in latest) / len(latest) if latest else None,

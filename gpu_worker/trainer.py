@@ -67,6 +67,8 @@ class Trainer:
         self._loss_sum = 0.0
         self._loss_n = 0
         self._last_loss = float("nan")
+        # Seconds the training loop spent blocked in the scheme's exchanges with the shards.
+        self._wait_s = 0.0
         self._started = 0.0
 
     def start(self) -> None:
@@ -74,7 +76,9 @@ class Trainer:
         self._started = time.perf_counter()
         with torch.no_grad():
             self.client.register(self.params)
+        began = time.perf_counter()
         self.scheme.start()
+        self._wait_s += time.perf_counter() - began
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The current gradient of every parameter (zeros where backward left none)."""
@@ -86,7 +90,9 @@ class Trainer:
             raise RunAbandoned(f"run {self.assignment.run_id} was stopped")
         before = self.steps_done
         with torch.no_grad():
+            began = time.perf_counter()
             self.steps_done = self.scheme.after_backward(before)
+            self._wait_s += time.perf_counter() - began
         for p in self.params.values():
             p.grad = None
         self.samples += samples
@@ -141,7 +147,7 @@ class Trainer:
             staleness_sum=t.staleness_sum,
             pushes=t.pushes,
             staleness_max=t.staleness_max,
-            wait_s=t.wait_s,
+            wait_s=self._wait_s,
             total_steps=self.total_steps,
         )
 
