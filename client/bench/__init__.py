@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import click
 
+from client.bench.memory import memory
+from client.bench.step import step
 from client.bench.transport import transport
 
 
@@ -14,5 +16,7 @@ def bench() -> None:
 
 
 bench.add_command(transport)
+bench.add_command(step)
+bench.add_command(memory)
 
 __all__ = ["bench"]

@@ -14,11 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from client.bench.references import gloo_all_reduce, median, tcp_ping_pong
-from client.bench.workers import BenchWorkers, Job
+from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
-from client.sdk import Client
 from gradps.codecs import parse_codec
-from gradps.v1 import run_pb2
 
 MiB = 1 << 20
 # A round moves at least this many bytes per worker (small sizes repeat within a round).
@@ -60,20 +58,6 @@ def _iters(size: int) -> int:
     return max(1, math.ceil(_ROUND_BYTES / size))
 
 
-def _submit(address: str, op: str, workers: int, codec: str, part_size: int, steps: int, optimizer: str) -> str:
-    spec = run_pb2.RunSpec(
-        scheme="sync" if op == "sync_step" else "asgd",
-        workers=workers,
-        steps=steps,
-        part_size=part_size,
-        codec=parse_codec(codec),
-        eval_every=0,
-        optimizer=run_pb2.OptimizerSpec(name=optimizer, lr=0.01, momentum=0.0),
-    )
-    with Client(address) as client:
-        return client.submit(spec)
-
-
 def measure_transport(
     sizes_mib: list[float],
     shards_list: list[int],
@@ -104,7 +88,7 @@ def measure_transport(
                         for size_mib, size, n in zip(sizes_mib, sizes, iters, strict=True):
                             log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, codec {codec}")
                             steps = warmup + rounds * n + 1
-                            run_id = _submit(cluster.address, op, w, codec, part_size, steps, "sgd")
+                            run_id = submit_run(cluster.address, op, w, codec, part_size, steps)
                             job = Job(run_id, op, size_mib, codec, warmup, rounds, n)
                             times = bench_workers.run(job, w)
                             per_iter = [t / n for t in times.seconds()]

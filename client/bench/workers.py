@@ -32,8 +32,6 @@ class Job:
     rounds: int
     # Iterations per round (small sizes repeat to make a round long enough to time).
     iters: int
-    # Optimizer of the run (for the memory bench; the optimizer state lives on the shard).
-    optimizer: str = "sgd"
 
 
 @dataclass
@@ -49,67 +47,93 @@ class RoundTimes:
         return [max(e) - min(s) for s, e in zip(self.starts, self.ends, strict=True)]
 
 
+def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queue) -> None:
+    """Join the job's run, time its rounds, report, and leave the run."""
+    import torch
+
+    from gpu_worker.ps_client import ParameterClient, tensor_specs
+    from gradps.codecs import parse_codec
+    from gradps.v1 import coordinator_pb2 as cpb
+    from gradps.v1 import tensor_pb2
+
+    assignment = None
+    while assignment is None or assignment.run_id != job.run_id:
+        assignment = session.wait_for_assignment(wait_s=5.0)
+    n = int(job.size_mib * MiB) // 4
+    generator = torch.Generator().manual_seed(index)
+    params = {"params": torch.randn(n, generator=generator)}
+    grads = {"params": torch.randn(n, generator=generator) * 1e-3}
+    total = job.warmup + job.rounds * job.iters + 1
+    placement = session.placement(job.run_id, tensor_specs(params), total)
+    none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
+    client = ParameterClient(placement, job.run_id, session.worker_id, parse_codec(job.codec), none)
+    step = 0
+
+    def once() -> None:
+        nonlocal step
+        client.push(grads, step)
+        if job.op == "sync_step":
+            client.pull(params, min_version=step + 1)
+        else:
+            client.pull(params)
+        step += 1
+
+    try:
+        client.register(params)
+        for _ in range(job.warmup):
+            once()
+        results.put(("ready", index, None))
+        for _ in range(job.rounds):
+            if commands.get() != "go":
+                raise RuntimeError("bench worker: expected 'go'")
+            start = time.perf_counter()
+            for _ in range(job.iters):
+                once()
+            results.put(("round", index, (start, time.perf_counter())))
+        results.put(("traffic", index, dict(vars(client.traffic))))
+    finally:
+        client.close()
+        session.report(job.run_id, cpb.Metrics(done=True, step=step, test_accuracy=-1.0))
+
+
 def _worker_main(index: int, coordinator: str, commands: mp.Queue, results: mp.Queue) -> None:
     """One bench worker: join, then serve jobs until told to stop (None)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from gpu_worker.ps_client import ParameterClient, tensor_specs
     from gpu_worker.session import WorkerSession
-    from gradps.codecs import parse_codec
-    from gradps.v1 import coordinator_pb2 as cpb
-    from gradps.v1 import tensor_pb2
 
     torch.set_num_threads(1)
     session = WorkerSession(coordinator, name=f"bench-{index}")
     results.put(("joined", index, session.worker_id))
-    none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
     try:
-        while True:
-            job = commands.get()
-            if job is None:
-                return
-            assignment = None
-            while assignment is None or assignment.run_id != job.run_id:
-                assignment = session.wait_for_assignment(wait_s=5.0)
-            n = int(job.size_mib * MiB) // 4
-            generator = torch.Generator().manual_seed(index)
-            params = {"params": torch.randn(n, generator=generator)}
-            grads = {"params": torch.randn(n, generator=generator) * 1e-3}
-            total = job.warmup + job.rounds * job.iters + 1
-            placement = session.placement(job.run_id, tensor_specs(params), total)
-            client = ParameterClient(placement, job.run_id, session.worker_id, parse_codec(job.codec), none)
-            step = 0
-
-            def once() -> None:
-                nonlocal step
-                client.push(grads, step)
-                if job.op == "sync_step":
-                    client.pull(params, min_version=step + 1)
-                else:
-                    client.pull(params)
-                step += 1
-
-            try:
-                client.register(params)
-                for _ in range(job.warmup):
-                    once()
-                results.put(("ready", index, None))
-                for _ in range(job.rounds):
-                    if commands.get() != "go":
-                        raise RuntimeError("bench worker: expected 'go'")
-                    start = time.perf_counter()
-                    for _ in range(job.iters):
-                        once()
-                    results.put(("round", index, (start, time.perf_counter())))
-                results.put(("traffic", index, dict(vars(client.traffic))))
-            finally:
-                client.close()
-                session.report(job.run_id, cpb.Metrics(done=True, step=step, test_accuracy=-1.0))
+        while (job := commands.get()) is not None:
+            _run_job(index, session, job, commands, results)
     except Exception as e:  # reported to the parent, which fails the bench with it
         results.put(("error", index, f"{type(e).__name__}: {e}"))
     finally:
         session.close()
+
+
+def submit_run(
+    address: str, op: str, workers: int, codec: str, part_size: int, steps: int, optimizer: str = "sgd"
+) -> str:
+    """Submit the run a Job runs in: asgd for push_pull, sync for sync_step; returns its id."""
+    from client.sdk import Client
+    from gradps.codecs import parse_codec
+    from gradps.v1 import run_pb2
+
+    spec = run_pb2.RunSpec(
+        scheme="sync" if op == "sync_step" else "asgd",
+        workers=workers,
+        steps=steps,
+        part_size=part_size,
+        codec=parse_codec(codec),
+        eval_every=0,
+        optimizer=run_pb2.OptimizerSpec(name=optimizer, lr=0.01),
+    )
+    with Client(address) as client:
+        return client.submit(spec)
 
 
 class BenchWorkers:

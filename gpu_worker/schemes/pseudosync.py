@@ -29,10 +29,12 @@ class PseudosyncWorker(WorkerScheme):
         self.adaptive = not sp.fixed_alpha
         self.optimizer = ScheduledOptimizer(list(self.params.values()), trainer.spec.optimizer, trainer.total_steps)
         self.predicted: dict[str, torch.Tensor] | None = None
-        self.global_grad = {n: torch.zeros_like(p) for n, p in self.params.items()}
-        # One thread: pushes go out in step order while the worker computes the next step.
+        # One thread each: pushes go out in step order, and G_t is fetched while the worker
+        # computes step t + 1 (the wait for the reduction overlaps compute).
         self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pseudosync-push")
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pseudosync-fetch")
         self._pushing: Future | None = None
+        self._fetching: Future | None = None
 
     def start(self) -> None:
         self.client.pull(self.params)
@@ -42,14 +44,19 @@ class PseudosyncWorker(WorkerScheme):
         if self._pushing is not None:
             self._pushing.result()  # surface a failed push; normally long done
         self._pushing = self._pusher.submit(self.client.push, grads, step)
-        if step >= 1:
-            self._apply_global(step - 1)
+        if self._fetching is not None:
+            self._apply_global(self._fetching.result())
+        self._fetching = self._fetcher.submit(self._fetch, step)
         return step + 1
 
-    def _apply_global(self, step: int) -> None:
-        """Fetch G_step, form the predicted gradient, update the replica."""
-        self.client.pull_gradient(step, self.global_grad)
-        G = self.global_grad
+    def _fetch(self, step: int) -> dict[str, torch.Tensor]:
+        """G_step, once every live worker pushed step `step` (runs in the background)."""
+        G = {n: torch.empty_like(p) for n, p in self.params.items()}
+        self.client.pull_gradient(step, G)
+        return G
+
+    def _apply_global(self, G: dict[str, torch.Tensor]) -> None:
+        """Form the predicted gradient from G_{t-1}, update the replica."""
         if self.predicted is None:
             self.predicted = {n: g.clone() for n, g in G.items()}
         else:
@@ -72,11 +79,11 @@ class PseudosyncWorker(WorkerScheme):
 
     def finish(self) -> None:
         """Apply the last step's global gradient; rank 0 publishes the replica for export."""
-        last = self.trainer.steps_done - 1
         if self._pushing is not None:
             self._pushing.result()
-        if last >= 0:
-            self._apply_global(last)
+        if self._fetching is not None:
+            self._apply_global(self._fetching.result())
         self._pusher.shutdown(wait=True)
+        self._fetcher.shutdown(wait=True)
         if self.trainer.assignment.rank == 0:
             self.client.publish(self.params)

@@ -41,13 +41,23 @@ class WagmaWorker(WorkerScheme):
                 p.mul_(1.0 / (size + 1)).add_(average[name], alpha=size / (size + 1))
             p.grad = grads[name]
         self.optimizer.step()
-        # A late worker skips the rounds it missed and rejoins at the group's newest step.
-        return max(step + 1, frontier)
+        if frontier <= step + 1:
+            return step + 1
+        # A late worker skips the rounds it missed and rejoins at the newest step. When that step
+        # is a global round, the others are already waiting in it: deposit now rather than after
+        # computing another gradient, so a straggler holds the global round up as little as it can.
+        if frontier % self.tau == 0:
+            self._take_global(frontier)
+            return frontier + 1
+        return frontier
+
+    def _take_global(self, step: int) -> None:
+        average, _, _ = self._average(step, is_global=True)
+        for name, p in self.params.items():
+            p.copy_(average[name])
 
     def finish(self) -> None:
         """The final model is the global average; rank 0 publishes it to the shards for export."""
-        average, _, _ = self._average(self.trainer.total_steps, is_global=True)
-        for name, p in self.params.items():
-            p.copy_(average[name])
+        self._take_global(self.trainer.total_steps)
         if self.rank == 0:
             self.client.publish(self.params)

@@ -1,0 +1,119 @@
+"""`gradps bench memory`: a shard's peak memory while workers push and pull, against what it must
+hold: its parameters, their optimizer state and one in-flight push per worker."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from client.bench.workers import BenchWorkers, Job, submit_run
+from client.local_cluster import LocalCluster
+
+MiB = 1 << 20
+# Optimizer state, in copies of the parameters: plain SGD (no momentum) keeps none, Adam two moments.
+_STATE = {"sgd": 0, "adam": 2}
+
+
+@dataclass
+class MemoryRow:
+    """One configuration on a fresh single-shard cluster."""
+
+    op: str
+    size_mib: float
+    workers: int
+    optimizer: str
+    # Resident memory of the shard process after start-up, and its peak (VmHWM) over the run.
+    baseline_mib: float
+    peak_mib: float
+    # peak - baseline, and what the shard must hold: params + optimizer state + workers * push.
+    used_mib: float
+    expected_mib: float
+    ratio: float
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def measure_memory(
+    size_mib: float,
+    workers: int,
+    optimizer: str,
+    op: str = "push_pull",
+    rounds: int = 3,
+    console: Console | None = None,
+) -> MemoryRow:
+    """Peak memory of the one shard of a fresh cluster while `workers` push and pull `size_mib`."""
+    log = console.log if console else (lambda *a, **k: None)
+    log(f"memory: {op} {size_mib:g} MiB, {workers} workers, {optimizer}")
+    with LocalCluster(shards=1, workers=0) as cluster, BenchWorkers(cluster.address, workers) as bench_workers:
+        pid = cluster.shards[0].pid
+        baseline = _status_kib(pid, "VmRSS")
+        run_id = submit_run(cluster.address, op, workers, "none", 4 * MiB, 2 + rounds + 1, optimizer)
+        bench_workers.run(Job(run_id, op, size_mib, "none", warmup=2, rounds=rounds, iters=1), workers)
+        peak = _status_kib(pid, "VmHWM")
+    used = (peak - baseline) / 1024
+    expected = size_mib * (1 + _STATE[optimizer]) + workers * size_mib
+    return MemoryRow(op, size_mib, workers, optimizer, baseline / 1024, peak / 1024, used, expected, used / expected)
+
+
+def print_rows(rows: list[MemoryRow], console: Console) -> None:
+    table = Table(
+        "op", "MiB", "workers", "optimizer", "baseline MiB", "peak MiB", "used MiB", "expected MiB", "used / expected",
+        title="gradps bench memory: shard peak (VmHWM) - start-up RSS vs params + optimizer state + workers x push",
+    )  # fmt: skip
+    for r in rows:
+        table.add_row(
+            r.op,
+            f"{r.size_mib:g}",
+            str(r.workers),
+            r.optimizer,
+            f"{r.baseline_mib:.0f}",
+            f"{r.peak_mib:.0f}",
+            f"{r.used_mib:.0f}",
+            f"{r.expected_mib:.0f}",
+            f"{r.ratio:.2f}",
+        )
+    console.print(table)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--size", "size_mib", default=64.0, type=click.FloatRange(min=0.001), help="Parameter set, MiB.")
+@click.option("--workers", "workers_list", default="1,2", help="Worker counts, comma-separated.")
+@click.option("--optimizer", "optimizers", default="sgd,adam", help="sgd and/or adam, comma-separated.")
+@click.option("--op", "ops", default="push_pull,sync_step", help="push_pull (asgd) and/or sync_step (sync).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
+def memory(size_mib, workers_list, optimizers, ops, json_path) -> None:
+    """Shard peak memory vs params + optimizer state + one in-flight push per worker."""
+    try:
+        worker_counts = [int(w) for w in workers_list.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected integers, got {workers_list!r}", param_hint="--workers") from None
+    opt_names = [o.strip() for o in optimizers.split(",")]
+    op_names = [o.strip() for o in ops.split(",")]
+    if bad := [o for o in opt_names if o not in ("sgd", "adam")]:
+        raise click.BadParameter(f"unknown optimizer {bad[0]!r}", param_hint="--optimizer")
+    if bad := [o for o in op_names if o not in ("push_pull", "sync_step")]:
+        raise click.BadParameter(f"unknown op {bad[0]!r}", param_hint="--op")
+    console = Console(stderr=True)
+    rows = [
+        measure_memory(size_mib, w, opt, op, console=console)
+        for op in op_names
+        for opt in opt_names
+        for w in worker_counts
+        if not (op == "sync_step" and w < 2)
+    ]
+    print_rows(rows, Console())
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        console.log(f"wrote {json_path}")

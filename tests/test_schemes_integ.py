@@ -1,0 +1,75 @@
+"""The papers' schemes end to end on a local cluster of real processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from client.report import follow
+from gradps.datasets import load_dataset
+from gradps.evaluation import evaluate
+from gradps.models import build_model
+from gradps.v1 import run_pb2
+
+
+def _spec(scheme: str, **kw) -> run_pb2.RunSpec:
+    params = kw.pop("params", {})
+    return run_pb2.RunSpec(
+        scheme=scheme,
+        workers=2,
+        batch_size=32,
+        epochs=kw.pop("epochs", 8),
+        eval_every=0,
+        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.2),
+        scheme_params=run_pb2.SchemeParams(**params),
+        **kw,
+    )
+
+
+def _exported_accuracy(client, run_id: str) -> float:
+    data = load_dataset("digits")
+    model = build_model("mlp", data)
+    model.load_state_dict(client.export_state_dict(run_id))
+    return evaluate(model, data)[1]
+
+
+def test_pseudosync_replicas_stay_bit_identical_and_export_the_final_model(cluster, client, tmp_path):
+    run_id = client.submit(_spec("pseudosync"))
+    summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "completed"
+    assert summary["final_test_accuracy"] > 0.85, summary
+    final = [m for m in client.run(run_id).run.latest if m.done]
+    assert len(final) == 2 and final[0].step == final[1].step == summary["total_steps"]
+    assert final[0].weights_digest and final[0].weights_digest == final[1].weights_digest
+    assert _exported_accuracy(client, run_id) == pytest.approx(summary["final_test_accuracy"], abs=1e-9)
+
+
+def test_pseudosync_with_fixed_alpha_one_is_the_plain_one_step_delay(cluster, client, tmp_path):
+    run_id = client.submit(_spec("pseudosync", params={"alpha": 1.0, "fixed_alpha": True}))
+    summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.85, summary
+
+
+def test_wagma_trains_and_its_final_model_is_the_global_average(cluster, client, tmp_path):
+    run_id = client.submit(_spec("wagma", params={"tau": 4}))
+    summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.85, summary
+    final = [m for m in client.run(run_id).run.latest if m.done]
+    assert len(final) == 2 and final[0].weights_digest == final[1].weights_digest  # both hold the average
+    assert _exported_accuracy(client, run_id) == pytest.approx(summary["final_test_accuracy"], abs=1e-9)
+
+
+def test_ssp_with_zero_staleness_waits_like_sync(cluster, client, tmp_path):
+    run_id = client.submit(_spec("ssp", epochs=4, params={"staleness": 0}))
+    summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.8, summary
+    # A worker at clock c pulls only once both workers reached c: at most the other's push is missed.
+    assert summary["max_staleness"] <= 1, summary
+
+
+@pytest.mark.parametrize(
+    "params", [{"staleness_lr": True}, {"dc_lambda": 0.04}, {"dc_lambda": 0.04, "dc_adaptive": True}]
+)
+def test_asgd_options_train(cluster, client, tmp_path, params):
+    run_id = client.submit(_spec("asgd", epochs=6, params=params))
+    summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.8, summary

@@ -1,0 +1,100 @@
+"""Round semantics of the shard's wagma rule, driven in-process (the service wraps it in gRPC)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gradps.placement import place
+from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
+from ps_server.run_state import PushRejected, RunState
+from ps_server.schemes.wagma import WagmaRule
+
+KEY = ("w", 0)
+
+
+def _rule(workers=(0, 1, 2, 3)) -> WagmaRule:
+    tensors = [tensor_pb2.TensorSpec(name="w", shape=[4], dtype=tensor_pb2.DTYPE_FLOAT32)]
+    request = shard_pb2.OpenRunRequest(
+        run_id="r",
+        spec=run_pb2.RunSpec(scheme="wagma", optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1)),
+        placement=place(tensors, ["s0"], 1 << 20),
+        shard_index=0,
+        workers=list(workers),
+        total_steps=10,
+    )
+    return WagmaRule(RunState.open(request, torch.device("cpu")))
+
+
+def _deposit(rule, worker, step, value, members=(0, 1), is_global=False):
+    with rule.run.cond:
+        out, frontier = rule.group_average(
+            worker, step, frozenset(members), is_global, {KEY: torch.full((4,), float(value))}
+        )
+    return float(out[KEY][0]), frontier
+
+
+def test_first_arrival_fixes_the_round_and_late_member_gets_the_same_result():
+    rule = _rule()
+    _deposit(rule, 1, 0, 10.0)  # worker 1's deposit at step 0 (round with worker 0 at step 0)
+    first, _ = _deposit(rule, 0, 1, 2.0)  # worker 0 arrives first at step 1: 1 is late (stale 10)
+    assert first == pytest.approx(6.0)  # (2 + 10) / 2: worker 1 contributes its previous model
+    late, frontier = _deposit(rule, 1, 1, 100.0)  # worker 1 arrives late: same result, not 51
+    assert late == pytest.approx(6.0)
+    assert frontier == 1
+
+
+def test_a_member_that_never_arrives_does_not_block():
+    rule = _rule()
+    done = threading.Event()
+
+    def arrive():
+        _deposit(rule, 0, 0, 4.0, members=(0, 1))
+        done.set()
+
+    t = threading.Thread(target=arrive)
+    t.start()
+    assert done.wait(5), "group round waited for an absent member"
+    t.join()
+    value, _ = _deposit(rule, 0, 1, 8.0, members=(0, 1))
+    assert value == pytest.approx(8.0)  # worker 1 never deposited: left out, not zero
+
+
+def test_newer_deposits_are_never_mixed_into_an_older_round():
+    rule = _rule()
+    _deposit(rule, 1, 5, 50.0, members=(1, 2))  # worker 1 is already at step 5
+    _deposit(rule, 1, 3, 30.0, members=(1, 3))  # its older deposit arrives later (out of order)
+    value, _ = _deposit(rule, 0, 4, 0.0, members=(0, 1))  # round at step 4 with worker 1
+    assert value == pytest.approx(15.0)  # (0 + 30) / 2: the step-5 model is not used
+
+
+def test_global_round_waits_for_every_live_member_and_skips_the_dead():
+    rule = _rule(workers=(0, 1, 2))
+    results = {}
+
+    def arrive(worker, value):
+        results[worker] = _deposit(rule, worker, 10, value, members=(0, 1, 2), is_global=True)[0]
+
+    threads = [threading.Thread(target=arrive, args=(w, v)) for w, v in ((0, 1.0), (1, 2.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(0.3)
+    assert not results, "global round finished before every live member deposited"
+    with rule.run.cond:  # worker 2 dies: the coordinator shrinks the membership
+        rule.run.live_workers = {0, 1}
+        rule.membership_changed()
+        rule.run.cond.notify_all()
+    for t in threads:
+        t.join(5)
+    assert results == {0: pytest.approx(1.5), 1: pytest.approx(1.5)}
+
+
+def test_gradient_pushes_are_refused():
+    from ps_server.run_state import Push
+
+    rule = _rule()
+    with pytest.raises(PushRejected, match="GroupAverage"):
+        rule.push(Push(0, 0, {KEY: torch.zeros(4)}, {KEY: 0}))
