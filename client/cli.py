@@ -159,7 +159,7 @@ def cli() -> None:
 
 
 def _cluster_options(fn):
-    fn = click.option("--heartbeat-timeout", default=3.0, type=click.FloatRange(min=0.1), help="--local: seconds.")(fn)
+    fn = click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1), help="--local: seconds.")(fn)
     fn = click.option("--shards", default=2, type=click.IntRange(min=1), help="--local: shard processes.")(fn)
     fn = click.option("--local", is_flag=True, help="Start an embedded cluster of local processes.")(fn)
     fn = click.option("--coordinator", envvar="GRADPS_COORDINATOR", default=None, help="Coordinator HOST:PORT.")(fn)
@@ -204,7 +204,7 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
 @cli.command(context_settings=_CONTEXT)
 @click.option("--shards", default=2, type=click.IntRange(min=1))
 @click.option("--workers", default=2, type=click.IntRange(min=0), help="0: your own scripts are the workers.")
-@click.option("--heartbeat-timeout", default=3.0, type=click.FloatRange(min=0.1))
+@click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1))
 @one_line_errors
 def up(shards: int, workers: int, heartbeat_timeout: float) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
@@ -330,6 +330,10 @@ def compare(coordinator, local, shards, heartbeat_timeout, schemes, workers, tar
 def main() -> None:
     cli(prog_name="gradps")
 
+
+from client.bench import bench  # noqa: E402 (the bench group sits apart from the commands above)
+
+cli.add_command(bench)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,7 @@ class LocalCluster:
         self,
         shards: int = 2,
         workers: int = 2,
-        heartbeat_timeout_s: float = 3.0,
+        heartbeat_timeout_s: float = 5.0,
         log_dir: str | os.PathLike | None = None,
         device: str = "cpu",
     ) -> None:

@@ -91,7 +91,7 @@ class Trainer:
         before = self.steps_done
         with torch.no_grad():
             began = time.perf_counter()
-            self.steps_done = self.scheme.after_backward(before)
+            self.steps_done = min(self.scheme.after_backward(before), self.total_steps)
             self._wait_s += time.perf_counter() - began
         for p in self.params.values():
             p.grad = None

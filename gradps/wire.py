@@ -89,25 +89,41 @@ def _fields(buf: memoryview, pos: int, end: int):
         yield field, wire_type, key_start, start, pos
 
 
-def split_part(message: bytes, part_field: int = 1) -> tuple[tensor_pb2.TensorPart, memoryview]:
-    """Parse the TensorPart in field `part_field` of `message` (e.g. a PullResponse) into its
-    metadata (a TensorPart without payload) and a read-only view of its payload, without copying
-    the payload."""
-    buf = memoryview(message)
+def split_message(message: Buffer, part_field: int) -> tuple[bytes, tensor_pb2.TensorPart, memoryview]:
+    """Split a message holding a TensorPart in field `part_field` (a PushRequest, a PullResponse)
+    into its other fields (serialized, for the message's own FromString), the part's metadata (a
+    TensorPart without payload) and a read-only view of the payload, without copying the payload.
+
+    Raises WireError on bytes that are not protobuf encoding or hold no such part.
+    """
+    buf = memoryview(message).cast("B") if not isinstance(message, bytes) else memoryview(message)
     part = None
-    for field, wire_type, _, start, end in _fields(buf, 0, len(buf)):
+    for field, wire_type, key_start, start, end in _fields(buf, 0, len(buf)):
         if field == part_field and wire_type == _LEN:
-            part = (start, end)
+            if part is not None:
+                raise WireError(f"field {part_field} appears twice")
+            part = (key_start, start, end)
     if part is None:
         raise WireError(f"no field {part_field} in the message")
-    start, end = part
+    key_start, start, end = part
     payload = buf[0:0]
     meta = []
     cursor = start
-    for field, wire_type, key_start, value_start, value_end in _fields(buf, start, end):
+    for field, wire_type, field_start, value_start, value_end in _fields(buf, start, end):
         if field == _PAYLOAD_FIELD and wire_type == _LEN:
-            meta.append(buf[cursor:key_start])
+            meta.append(buf[cursor:field_start])
             payload = buf[value_start:value_end]  # the last occurrence wins, as in protobuf
             cursor = value_end
     meta.append(buf[cursor:end])
-    return tensor_pb2.TensorPart.FromString(b"".join(meta)), payload
+    try:
+        part_meta = tensor_pb2.TensorPart.FromString(b"".join(meta))
+    except Exception as e:  # protobuf's DecodeError
+        raise WireError(f"bad TensorPart: {e}") from None
+    rest = b"".join((buf[:key_start], buf[end:]))
+    return rest, part_meta, payload
+
+
+def split_part(message: Buffer, part_field: int = 1) -> tuple[tensor_pb2.TensorPart, memoryview]:
+    """The part's metadata and payload view of `split_message` (the other fields dropped)."""
+    _, meta, payload = split_message(message, part_field)
+    return meta, payload

@@ -218,6 +218,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             record = self._record(request.run_id, context)
             if record.ended:
                 return cpb.ReportMetricsResponse(stop=True)
+            if m.worker_id not in record.live:
+                # Declared dead (missed heartbeats) but still running: the run went on without it.
+                return cpb.ReportMetricsResponse(stop=True)
             record.latest[m.worker_id] = m
             if m.total_steps:
                 record.status.total_steps = m.total_steps

@@ -105,6 +105,31 @@ def test_sigkill_of_a_worker_does_not_hang_the_run(four_workers, scheme, tmp_pat
     assert summary["steps"] == 600
 
 
+def test_a_worker_declared_dead_but_still_running_does_not_fail_the_run(four_workers, tmp_path):
+    """A paused worker (a long GC pause, a swapped-out process) misses heartbeats, is dropped,
+    wakes up and is refused by the shards; the run completes with the others."""
+    with Client(four_workers.address) as client:
+        alive = [w.worker_id for w in client.cluster().workers if w.alive]
+        run_id = client.submit(_spec("wagma", workers=len(alive), steps=600))
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "run made no progress"
+            run = client.run(run_id).run
+            if run.state == cpb.RUN_STATE_RUNNING and any(m.step >= 20 for m in run.latest):
+                break
+            time.sleep(0.05)
+        worker_id = run.workers[0]
+        name = next(w.name for w in client.cluster().workers if w.worker_id == worker_id)
+        victim = four_workers.workers[int(name.rsplit("-", 1)[1])]
+        victim.send_signal(signal.SIGSTOP)
+        time.sleep(3 * four_workers.heartbeat_timeout_s)
+        victim.send_signal(signal.SIGCONT)
+        summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "completed", summary
+    assert summary["dead_workers"] == [worker_id]
+    assert summary["steps"] == 600
+
+
 def test_cli_errors_are_one_line():
     env = dict(os.environ)
     cases = [

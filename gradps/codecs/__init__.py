@@ -14,7 +14,7 @@ from gradps.codecs.base import Buffer, Codec, CodecError, check_count, flat_floa
 from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4, unwrap
 from gradps.codecs.registry import format_codec, get_codec, parse_codec
-from gradps.codecs.sparse import SparseCodec
+from gradps.codecs.sparse import SparseCodec, SparsePart
 from gradps.v1 import tensor_pb2
 
 __all__ = [
@@ -23,8 +23,10 @@ __all__ = [
     "CodecError",
     "ErrorFeedback",
     "SparseCodec",
+    "SparsePart",
     "accumulate_part",
     "decode_part",
+    "decode_summand",
     "encode_part",
     "format_codec",
     "get_codec",
@@ -69,6 +71,20 @@ def decode_part(
     """
     codec, count = get_codec(params), check_count(count)
     return codec.decode(unwrap(payload, is_lz4, codec.max_payload_bytes(count)), count, device)
+
+
+def decode_summand(
+    payload: Buffer, is_lz4: bool, params: tensor_pb2.CodecParams, count: int, device: torch.device | str
+) -> torch.Tensor | SparsePart:
+    """Like `decode_part`, for a receiver that only adds the part into a sum: sparse codecs (topk,
+    randk) give a SparsePart (k indices and values on `device`, `add_to` is one index_add_), the
+    others a new dense tensor. Same validation: CodecError (-> INVALID_ARGUMENT), nothing to undo.
+    """
+    codec, count = get_codec(params), check_count(count)
+    payload = unwrap(payload, is_lz4, codec.max_payload_bytes(count))
+    if isinstance(codec, SparseCodec):
+        return SparsePart(*codec.decode_sparse(payload, count, device), count)
+    return codec.decode(payload, count, device)
 
 
 def accumulate_part(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import math
+from dataclasses import dataclass
 from decimal import Decimal
 
 import numpy as np
@@ -49,6 +50,30 @@ def keep_count(ratio: float, count: int) -> int:
     if count == 0:
         return 0
     return min(count, max(1, math.ceil(Decimal(ratio_text(ratio)) * count)))
+
+
+@dataclass(frozen=True)
+class SparsePart:
+    """A decoded sparse part: `values` at `indices`, zero elsewhere, for a receiver that only sums
+    parts (a sync shard) and so never needs the full-size tensor."""
+
+    # Validated positions, int64, strictly increasing, each < count; on the values' device.
+    indices: torch.Tensor
+    # The k float32 values sent (finite).
+    values: torch.Tensor
+    # Elements of the whole part.
+    count: int
+
+    def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """out += alpha * self, in place (one index_add_ of k values); returns out."""
+        check_out(out)
+        if out.numel() != self.count:
+            raise ValueError(f"sparse part of {self.count} values added to a tensor of {out.numel()}")
+        return out.index_add_(0, self.indices, self.values, alpha=alpha)
+
+    def to_dense(self) -> torch.Tensor:
+        """A new full-size float32 tensor on the values' device."""
+        return zero_values(self.count, self.values.device).index_copy_(0, self.indices, self.values)
 
 
 class SparseCodec(Codec):
@@ -111,5 +136,4 @@ class SparseCodec(Codec):
         out.index_add_(0, indices, values, alpha=alpha)
 
     def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
-        indices, values = self.decode_sparse(payload, count, device)
-        return zero_values(count, device).index_copy_(0, indices, values)
+        return SparsePart(*self.decode_sparse(payload, count, device), count).to_dense()

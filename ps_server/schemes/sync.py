@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from gradps.codecs import SparsePart
 from gradps.placement import PartKey
 from ps_server.run_state import Part, Push, PushRejected
 from ps_server.schemes.base import ShardRule
@@ -18,6 +19,8 @@ class SyncRule(ShardRule):
 
     # How many steps ahead of a part's version a push may be (pseudosync pushes without waiting).
     max_ahead = 0
+    # push() also takes SparsePart gradients (the shard decodes with decode_summand): it only sums.
+    sums_sparse_parts = True
 
     def __init__(self, run) -> None:
         super().__init__(run)
@@ -37,7 +40,7 @@ class SyncRule(ShardRule):
             total, contributors = steps.get(push.step, (None, set()))
             if push.worker_id in contributors:
                 continue
-            total = grad.clone() if total is None else total.add_(grad)
+            total = _add_into(total, grad)
             contributors.add(push.worker_id)
             steps[push.step] = (total, contributors)
             self._complete_ready(key)
@@ -62,3 +65,15 @@ class SyncRule(ShardRule):
     def _complete(self, part: Part, mean: torch.Tensor) -> None:
         """What the step's exact mean gradient does: sync applies it to the weights."""
         part.optimizer.apply(mean)
+
+
+def _add_into(total: torch.Tensor | None, grad: torch.Tensor | SparsePart) -> torch.Tensor:
+    """total + grad, in place; the first gradient of a step becomes the sum.
+
+    `grad` is the shard's own freshly decoded tensor, so it is taken, not copied. A SparsePart
+    (topk, randk decoded by `decode_summand`) adds its k values with one index_add_: no full-size
+    decoded tensor for any but the step's first sparse gradient, whose dense form is the sum.
+    """
+    if isinstance(grad, SparsePart):
+        return grad.to_dense() if total is None else grad.add_to(total)
+    return grad if total is None else total.add_(grad)
