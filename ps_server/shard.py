@@ -11,9 +11,12 @@ from collections.abc import Iterator
 import click
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
+from gradps import wire
 from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
-from gradps.codecs import CodecError, decode_part, encode_part
+from gradps.codecs import CodecError, decode_part, decode_summand, encode_part
+from gradps.codecs.base import check_finite
 from gradps.device import resolve_device
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
@@ -22,6 +25,8 @@ from ps_server.schemes import RULES, ShardRule
 _LOGGER = logging.getLogger("gradps.shard")
 _DEFAULT_WAIT_S = 60.0
 _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
+# PushRequest.part and PullResponse.part (gradps/v1/shard.proto).
+_PUSH_PART_FIELD, _PULL_PART_FIELD = 4, 1
 _PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
 
 
@@ -114,10 +119,33 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             except PushRejected as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             rule.on_pull(request.worker_id, parts)
-            # The encoded bytes are the snapshot: one copy, taken under the lock.
+            raw = getattr(self, "raw_bulk", False)  # registered raw: yield serialized messages
             for p in parts:
-                payload, lz4 = encode_part(rule.pull_values(p, request).cpu(), request.codec, lz4_threshold=None)
-                snapshot.append((p, payload, lz4, p.version))
+                values = rule.pull_values(p, request).cpu()
+                if not raw:
+                    # The encoded bytes are the snapshot: one copy, taken under the lock.
+                    payload, lz4 = encode_part(values, request.codec, lz4_threshold=None)
+                    snapshot.append((p, payload, lz4, p.version))
+                    continue
+                if request.codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
+                    check_finite(values, "none: values to encode")  # what the none codec checks
+                    payload, lz4 = memoryview(values.numpy()).cast("B"), False
+                else:
+                    payload, lz4 = encode_part(values, request.codec, lz4_threshold=None)
+                meta = tensor_pb2.TensorPart(
+                    name=p.key[0], index=p.key[1], offset=p.offset, count=p.count, version=p.version, lz4=lz4
+                )
+                meta.dtype = tensor_pb2.DTYPE_FLOAT32
+                meta.codec.CopyFrom(request.codec)
+                # The message is the snapshot: the values' one copy, taken under the lock.
+                message = b"".join(wire.part_message(b"", _PULL_PART_FIELD, meta, payload))
+                snapshot.append((p, message, len(payload), None))
+        if raw:
+            for _, message, nbytes, _ in snapshot:
+                with run.cond:
+                    run.bytes_pulled += nbytes
+                yield message
+            return
         for p, payload, lz4, version in snapshot:
             with run.cond:
                 run.bytes_pulled += len(payload)
@@ -137,28 +165,39 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         nbytes = 0
         header = None
         # Validate and decode the whole push before touching any state: a bad part changes nothing.
-        for request in request_iterator:
+        for message in request_iterator:
+            if isinstance(message, bytes):
+                # Registered raw (see add_shard_servicer): the part's payload is viewed in place,
+                # not copied out of a parsed message.
+                try:
+                    rest, msg, payload = wire.split_message(message, _PUSH_PART_FIELD)
+                    request = shard_pb2.PushRequest.FromString(rest)
+                except (wire.WireError, DecodeError) as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed push message: {e}")
+            else:
+                # Every read of a protobuf bytes field copies it: read the payload once.
+                request, msg = message, message.part
+                payload = msg.payload
             if run is None:
                 run, rule = self._run(request.run_id, context)
                 header = (request.run_id, request.worker_id, request.step)
+                # Rules that only sum take sparse parts as (indices, values): no full-size copy.
+                decode = decode_summand if rule.sums_sparse_parts else decode_part
             elif (request.run_id, request.worker_id, request.step) != header:
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "all parts of a push need the same run, worker and step"
                 )
-            part = self._part(run, request.part, context)
+            part = self._part(run, msg, context)
             if part.key in grads:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice")
-            # Every read of a protobuf bytes field copies it: read the payload once. Decoding
-            # rejects NaN/Inf (every codec checks what it decodes), so no second pass is needed.
-            msg = request.part
-            payload = msg.payload
+            # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
             try:
-                grads[part.key] = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
+                grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
             except CodecError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gradient of {msg.name}/{msg.index}: {e}")
             versions[part.key] = msg.version
             nbytes += len(payload)
-            del payload, msg, request  # the raw message is dead weight once decoded
+            del payload, msg, request, message  # the received bytes are dead weight once decoded
         if run is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
         _, worker_id, step = header
@@ -253,6 +292,15 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
 
 
+def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
+    """Serve `servicer` with Push requests and Pull responses as raw bytes: protobuf would copy
+    each payload three more times (parse, field read; field write, serialize), which at 64 MiB
+    costs a fifth of the shard's CPU time (docs/performance.md). Clients see no difference."""
+    servicer.raw_bulk = True
+    add_generated = shard_pb2_grpc.add_ShardServiceServicer_to_server
+    wire.add_servicer(add_generated, servicer, server, raw_requests={"Push"}, raw_responses={"Pull"})
+
+
 def register_with_coordinator(coordinator: str, address: str, device: str, timeout_s: float = 60.0) -> int:
     """Announce this shard; retry while the coordinator starts (compose starts them together)."""
     deadline = time.monotonic() + timeout_s
@@ -290,7 +338,7 @@ def main(port: int, coordinator: str, advertise_host: str, device: str, port_fil
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--device") from None
     server = make_server()
-    shard_pb2_grpc.add_ShardServiceServicer_to_server(ShardServicer(torch_device), server)
+    add_shard_servicer(ShardServicer(torch_device), server)
     add_health(server, ["gradps.v1.ShardService"])
     bound = bind(server, port)
     server.start()

@@ -16,11 +16,21 @@ import numpy as np
 import pytest
 import torch
 
+from client.local_cluster import LocalCluster
 from client.sdk import Client
 from gpu_worker.ps_client import ParameterClient, tensor_specs
 from gpu_worker.session import WorkerSession
 from gradps.channel import open_channel
-from gradps.codecs import ErrorFeedback, SparsePart, decode_part, decode_summand, encode_part, parse_codec
+from gradps.codecs import (
+    CodecError,
+    ErrorFeedback,
+    SparsePart,
+    decode_part,
+    decode_summand,
+    encode_part,
+    parse_codec,
+)
+from gradps.codecs.bench import bench_real_gradients, capture_gradients
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Push, RunState
 from ps_server.schemes.sync import SyncRule
@@ -111,6 +121,40 @@ def _malformed_cases(count: int) -> list[tuple[str, tensor_pb2.CodecParams, byte
         ("corrupt lz4 frame", int8, lz4.frame.compress(good_int8)[:-6], True, "lz4"),
         ("lz4 frame too large", int8, lz4.frame.compress(good_int8 + bytes(100)), True, "beyond"),
     ]
+
+
+@pytest.mark.parametrize("case", _malformed_cases(64), ids=lambda case: case[0].replace(" ", "-"))
+def test_decode_summand_rejects_what_decode_part_rejects(case) -> None:
+    name, params, payload, is_lz4, words = case
+    messages = []
+    for decode in (decode_part, decode_summand):
+        with pytest.raises(CodecError) as err:
+            decode(payload, is_lz4, params, 64, CPU)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1] and words.lower() in messages[0].lower(), (name, messages)
+
+
+def test_sparse_part_adds_only_to_a_tensor_of_its_size() -> None:
+    params = parse_codec("topk:0.1")
+    payload, _ = encode_part(torch.arange(20.0), params, lz4_threshold=None)
+    part = decode_summand(payload, False, params, 20, CPU)
+    assert isinstance(part, SparsePart) and part.indices.tolist() == [18, 19]
+    assert torch.equal(part.add_to(torch.ones(20), alpha=2.0), 1 + 2 * part.to_dense())
+    with pytest.raises(ValueError, match="20 values"):
+        part.add_to(torch.zeros(21))
+    assert isinstance(
+        decode_summand(*encode_part(torch.ones(20), parse_codec("int8")), parse_codec("int8"), 20, CPU), torch.Tensor
+    )
+
+
+def test_real_gradient_bench_counts_what_is_sent() -> None:
+    gradients = capture_gradients("mlp", "digits", steps=3, every=1)
+    assert len(gradients) == 3 and len(gradients[0]) == 6
+    rows = {r["codec"]: r for r in bench_real_gradients(gradients, ("none", "int8", "topk:0.01"))}
+    assert rows["none"]["ratio"] == 1.0
+    assert 0.25 < rows["int8"]["ratio"] < 0.26 and rows["int8"]["sent_ratio"] <= rows["int8"]["ratio"]
+    for r in rows.values():
+        assert r["lz4_gain"] == pytest.approx(r["ratio"] / r["sent_ratio"]) and 0 <= r["framed"] <= 1
 
 
 @pytest.mark.parametrize("scheme", ["sync", "asgd"])
@@ -265,27 +309,10 @@ def test_sync_rule_sums_sparse_parts_like_dense_ones() -> None:
 # --- convergence through the real CLI ---------------------------------------------------------------
 
 
-def _compare(codec: str, out: Path) -> dict:
-    """`gradps compare` of sync on digits (4 workers, 2 shards, MLP) with `codec`; the sync row."""
-    command = [
-        sys.executable,
-        "-m",
-        "client.cli",
-        "compare",
-        "--schemes",
-        "sync",
-        "--workers",
-        "4",
-        "--shards",
-        "2",
-        "--codec",
-        codec,
-        "--eval-every",
-        "50",
-        "--no-progress",
-        "--out",
-        str(out),
-    ]
+def _compare(coordinator: str, codec: str, out: Path) -> dict:
+    """`gradps compare` of sync on digits (4 workers, MLP) with `codec`; the sync row."""
+    command = [sys.executable, "-m", "client.cli", "compare", "--coordinator", coordinator, "--schemes", "sync"]
+    command += ["--workers", "4", "--codec", codec, "--eval-every", "0", "--no-progress", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads((out / "compare.json").read_text())["schemes"]
@@ -295,9 +322,11 @@ def _compare(codec: str, out: Path) -> dict:
 
 @pytest.mark.slow
 def test_compressed_sync_training_meets_byte_and_accuracy_targets(tmp_path: Path) -> None:
-    base = _compare("none", tmp_path / "none")
-    int8 = _compare("int8", tmp_path / "int8")
-    topk = _compare("topk:0.01", tmp_path / "topk")
+    # One cluster (2 shards, 4 workers) for the three runs: its start-up is most of a run's cost.
+    with LocalCluster(shards=2, workers=4, log_dir=tmp_path / "logs") as cluster:
+        base = _compare(cluster.address, "none", tmp_path / "none")
+        int8 = _compare(cluster.address, "int8", tmp_path / "int8")
+        topk = _compare(cluster.address, "topk:0.01", tmp_path / "topk")
     assert base["final_test_accuracy"] >= 0.93, base
     assert base["bytes_pushed"] >= 3.5 * int8["bytes_pushed"], (base["bytes_pushed"], int8["bytes_pushed"])
     assert int8["final_test_accuracy"] >= base["final_test_accuracy"] - 0.01, (base, int8)

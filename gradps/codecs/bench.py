@@ -1,4 +1,5 @@
-"""Throughput of every codec on a gradient-like (normal) tensor: `python -m gradps.codecs.bench`.
+"""Throughput of every codec on a gradient-like (normal) tensor: `python -m gradps.codecs.bench`;
+with `--model` and `--dataset`, sizes and lz4's gain on real gradients of a short training run.
 
 GB/s are float32 bytes per second (10**9), so codecs compare on the same input size.
 """
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import lz4.frame
 import torch
 
+from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4
 from gradps.codecs.registry import get_codec, parse_codec
 
@@ -67,6 +69,77 @@ def bench_codecs(
     return rows
 
 
+def capture_gradients(
+    model: str, dataset: str, steps: int = 200, every: int = 20, batch_size: int = 32, lr: float = 0.1, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """Per-tensor gradients of `model` on `dataset` (gradps.models / gradps.datasets names), taken
+    every `every` steps of `steps` of plain SGD on one worker's batches: real gradients, whose
+    zeros (dead inputs, unused embedding rows, ReLU) decide what lz4 gains."""
+    from gradps.datasets import load_dataset  # the training stack, only for this benchmark
+    from gradps.evaluation import compute_loss
+    from gradps.models import build_model
+
+    torch.manual_seed(seed)
+    data = load_dataset(dataset, seed=seed)
+    net = build_model(model, data)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    order = torch.randperm(data.train_x.shape[0], generator=torch.Generator().manual_seed(seed))
+    captured = []
+    for step in range(steps):
+        start = step * batch_size % max(1, order.numel() - batch_size)
+        batch = order[start : start + batch_size]
+        optimizer.zero_grad()
+        compute_loss(net, data.train_x[batch], data.train_y[batch], data.task).backward()
+        if step % every == 0:
+            captured.append({name: p.grad.detach().clone() for name, p in net.named_parameters()})
+        optimizer.step()
+    return captured
+
+
+def bench_real_gradients(
+    gradients: list[dict[str, torch.Tensor]], codecs: tuple[str, ...] = CODECS, lz4_threshold: float = 0.9
+) -> list[dict]:
+    """Bytes each codec sends for captured gradients, one part per tensor (a model's tensors are
+    below the default 4 MiB part size), pushed in order with error feedback as a worker does.
+
+    Returns one dict per codec: codec, ratio (payload / fp32 bytes, before lz4), sent_ratio (bytes
+    sent / fp32 bytes, after maybe_lz4), lz4_gain (payload / bytes sent) and framed (the fraction
+    of parts that maybe_lz4 framed).
+    """
+    rows = []
+    for text in codecs:
+        codec = get_codec(parse_codec(text), generator=torch.Generator().manual_seed(1))
+        feedback = ErrorFeedback()
+        fp32 = payload_bytes = sent = framed = parts = 0
+        for step in gradients:
+            for name, grad in step.items():
+                payload = feedback.compress(name, grad, codec)
+                wire, used = maybe_lz4(payload, lz4_threshold)
+                fp32, payload_bytes, sent = fp32 + 4 * grad.numel(), payload_bytes + len(payload), sent + len(wire)
+                framed, parts = framed + used, parts + 1
+        rows.append(
+            {
+                "codec": text,
+                "ratio": payload_bytes / fp32,
+                "sent_ratio": sent / fp32,
+                "lz4_gain": payload_bytes / sent,
+                "framed": framed / parts,
+            }
+        )
+    return rows
+
+
+def format_real_table(rows: list[dict]) -> str:
+    """`bench_real_gradients` rows as a fixed-width text table."""
+    lines = [f"{'codec':<16}{'ratio':>8}{'sent ratio':>12}{'fp32/sent':>11}{'lz4 gain':>10}{'framed':>8}"]
+    for r in rows:
+        lines.append(
+            f"{r['codec']:<16}{r['ratio']:>8.4f}{r['sent_ratio']:>12.4f}{1 / r['sent_ratio']:>11.2f}"
+            f"{r['lz4_gain']:>10.2f}{r['framed']:>8.0%}"
+        )
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table."""
     lines = [f"{'codec':<16}{'ratio':>8}{'enc GB/s':>10}{'dec GB/s':>10}{'enc+dec GB/s':>14}{'lz4 gain':>10}{'lz4':>5}"]
@@ -85,7 +158,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per codec; the best is kept")
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codec strings")
     parser.add_argument("--zero-fraction", type=float, default=0.0, help="fraction of values set to 0")
+    parser.add_argument("--model", help="real gradients of this model (gradps.models), with --dataset")
+    parser.add_argument("--dataset", default="digits", help="dataset for --model (default digits)")
+    parser.add_argument("--steps", type=int, default=200, help="--model: training steps (default 200)")
+    parser.add_argument("--every", type=int, default=20, help="--model: capture every N steps (default 20)")
+    parser.add_argument("--lz4-threshold", type=float, default=0.9, help="maybe_lz4 threshold (default 0.9)")
     args = parser.parse_args()
+    if args.model:
+        gradients = capture_gradients(args.model, args.dataset, args.steps, args.every)
+        count = sum(g.numel() for g in gradients[0].values())
+        print(
+            f"{args.model} on {args.dataset}: {len(gradients)} gradients of {count:,} values "
+            f"({len(gradients[0])} parts), every {args.every} of {args.steps} SGD steps, with error feedback"
+        )
+        print(format_real_table(bench_real_gradients(gradients, tuple(args.codecs.split(",")), args.lz4_threshold)))
+        return
     rows = bench_codecs(args.size_mib, args.repeats, tuple(args.codecs.split(",")), args.zero_fraction)
     print(
         f"{args.size_mib} MiB float32, N(0, 1) with {args.zero_fraction:.0%} zeros, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -13,6 +14,9 @@ from ps_server.run_state import Part, Push, PushRejected, RunState
 
 class ShardRule(ABC):
     """How a shard turns pushes into updates for one run. Every hook is called with `run.cond` held."""
+
+    # True when push() only sums gradients: topk/randk parts then arrive as SparsePart.
+    sums_sparse_parts: ClassVar[bool] = False
 
     def __init__(self, run: RunState) -> None:
         self.run = run
