@@ -73,3 +73,56 @@ def test_asgd_options_train(cluster, client, tmp_path, params):
     run_id = client.submit(_spec("asgd", epochs=6, params=params))
     summary = follow(client, run_id, tmp_path, show_progress=False)
     assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.8, summary
+
+
+@pytest.mark.slow
+def test_compare_runs_every_scheme_to_95_percent(tmp_path):
+    """`gradps compare` with 4 workers and 2 shards: every scheme reaches the target; the outputs
+    have one entry per scheme with the documented fields."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "client.cli",
+            "compare",
+            "--workers",
+            "4",
+            "--shards",
+            "2",
+            "--eval-every",
+            "10",
+            "--epochs",
+            "70",
+            "--target-accuracy",
+            "0.95",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "compare.json").read_text())["schemes"]
+    assert [row["scheme"] for row in rows] == ["sync", "asgd", "ssp", "wagma", "pseudosync"]
+    for row in rows:
+        for key in (
+            "scheme",
+            "time_to_target_s",
+            "steps_to_target",
+            "final_test_accuracy",
+            "samples_per_second",
+            "mean_staleness",
+            "max_staleness",
+            "wait_fraction",
+        ):
+            assert key in row, key
+        assert row["time_to_target_s"] is not None, row  # reached 95% test accuracy
+        assert row["samples_per_second"] > 0
+    assert (tmp_path / "compare.csv").read_text().count("\n") == 6
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
