@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +18,6 @@ from gradps.placement import ITEMSIZE, PartKey
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# Concurrent Pull calls per shard (see ParameterClient.__init__).
-PULL_STREAMS = int(os.environ.get("GRADPS_PULL_STREAMS", "1"))
 _PUSH = "/gradps.v1.ShardService/Push"
 _PULL = "/gradps.v1.ShardService/Pull"
 # PushRequest.part and PullResponse.part are field 4 and field 1.
@@ -65,7 +62,6 @@ class ParameterClient:
         codec: tensor_pb2.CodecParams,
         pull_codec: tensor_pb2.CodecParams,
         timeout_s: float = 120.0,
-        pull_streams: int = PULL_STREAMS,
     ) -> None:
         self.placement = placement
         self.run_id = run_id
@@ -94,24 +90,11 @@ class ParameterClient:
             if ITEMSIZE.get(t.dtype) != 4:
                 raise ValueError(f"tensor {t.name}: only float32 tensors are served")
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(placement.shards)), thread_name_prefix="shard")
-        # A shard's parts are pulled over `pull_streams` concurrent calls (each asks for its own
-        # parts): the shard serializes one response per call at a time.
-        self._pull_tasks: list[tuple[int, list[shard_pb2.PartRef]]] = []
-        for shard, parts in enumerate(self._parts_by_shard):
-            if len(parts) < 2 or pull_streams < 2:
-                if parts:
-                    self._pull_tasks.append((shard, []))  # [] asks for every part of the shard
-                continue
-            for k in range(min(pull_streams, len(parts))):
-                refs = [shard_pb2.PartRef(name=p.name, index=p.index) for p in parts[k::pull_streams]]
-                self._pull_tasks.append((shard, refs))
-        self._pull_pool = ThreadPoolExecutor(max_workers=max(1, len(self._pull_tasks)), thread_name_prefix="pull")
         # Pushes get their own threads: a scheme may push while a pull waits on the shards.
         self._push_pool = ThreadPoolExecutor(max_workers=max(1, len(placement.shards)), thread_name_prefix="push")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        self._pull_pool.shutdown(wait=False)
         self._push_pool.shutdown(wait=False)
         for channel in self._channels:
             channel.close()
@@ -143,12 +126,10 @@ class ParameterClient:
         flat = {name: t.data.view(-1) for name, t in into.items()}
         start = time.perf_counter()
 
-        def fetch(task: tuple[int, list[shard_pb2.PartRef]]) -> tuple[int, float]:
-            shard, refs = task
+        def fetch(shard: int) -> tuple[int, float]:
             request = shard_pb2.PullRequest(
                 run_id=self.run_id,
                 worker_id=self.worker_id,
-                parts=refs,
                 min_version=min_version,
                 clock=clock,
                 wait_ms=int(self.timeout_s * 1000),
@@ -165,7 +146,7 @@ class ParameterClient:
                 decode_s += time.perf_counter() - began
             return nbytes, decode_s
 
-        results = list(self._pull_pool.map(fetch, self._pull_tasks))
+        results = self._each_shard(fetch)
         self.traffic.bytes_pulled += sum(n for n, _ in results)
         self.traffic.decode_s += sum(d for _, d in results)
         elapsed = time.perf_counter() - start

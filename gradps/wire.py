@@ -11,6 +11,10 @@ with the generated code. Everything but the payload still goes through protobuf.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
+import grpc
+
 from gradps.v1 import tensor_pb2
 
 Buffer = bytes | bytearray | memoryview
@@ -127,3 +131,41 @@ def split_part(message: Buffer, part_field: int = 1) -> tuple[tensor_pb2.TensorP
     """The part's metadata and payload view of `split_message` (the other fields dropped)."""
     _, meta, payload = split_message(message, part_field)
     return meta, payload
+
+
+class _Capture:
+    """Stands in for a server to collect the handlers a generated `add_*_to_server` registers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def add_servicer(
+    add_generated: Callable[[object, object], None],
+    servicer: object,
+    server: grpc.Server,
+    raw_requests: Collection[str] = (),
+    raw_responses: Collection[str] = (),
+) -> None:
+    """Register `servicer` as the generated `add_generated(servicer, server)` would, except that
+    the methods named in `raw_requests` receive each request message as `bytes` and those in
+    `raw_responses` return (or yield) `bytes`, already serialized (see `split_message` and
+    `part_message`). Clients are unaffected: the bytes on the wire are the same."""
+    capture = _Capture()
+    add_generated(servicer, capture)
+    if not capture.service:
+        raise ValueError("add_generated registered no service")
+    handlers = dict(capture.handlers)
+    for name in raw_requests:
+        handlers[name] = handlers[name]._replace(request_deserializer=None)
+    for name in raw_responses:
+        handlers[name] = handlers[name]._replace(response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
+    server.add_registered_method_handlers(capture.service, handlers)

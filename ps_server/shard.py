@@ -25,8 +25,8 @@ from ps_server.schemes import RULES, ShardRule
 _LOGGER = logging.getLogger("gradps.shard")
 _DEFAULT_WAIT_S = 60.0
 _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
-# PushRequest.part and PullResponse.part (gradps/v1/shard.proto).
-_PUSH_PART_FIELD, _PULL_PART_FIELD = 4, 1
+# PushRequest.part, PullResponse.part and RegisterTensorsRequest.part (gradps/v1/shard.proto).
+_PUSH_PART_FIELD, _PULL_PART_FIELD, _REGISTER_PART_FIELD = 4, 1, 2
 _PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
 
 
@@ -74,14 +74,31 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         decoded: list[tuple[Part, torch.Tensor]] = []
         run = None
         overwrite = False
-        for request in request_iterator:
+        for message in request_iterator:
+            if isinstance(message, bytes):  # registered raw (add_shard_servicer), as in Push
+                try:
+                    rest, msg, payload = wire.split_message(message, _REGISTER_PART_FIELD)
+                    request = shard_pb2.RegisterTensorsRequest.FromString(rest)
+                except (wire.WireError, DecodeError) as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed register message: {e}")
+            else:
+                request, msg = message, message.part
+                payload = msg.payload
             overwrite = overwrite or request.overwrite
             if run is None:
                 run, _ = self._run(request.run_id, context)
             elif request.run_id != run.run_id:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one RegisterTensors call per run")
-            part = self._part(run, request.part, context)
-            decoded.append((part, self._decode(part, request.part, context)))
+            part = self._part(run, msg, context)
+            try:
+                values = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
+            except CodecError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
+            # Validated either way; kept only where it may still be needed (every later worker
+            # registers the same values, which the first upload already set).
+            if overwrite or not part.initialised:
+                decoded.append((part, values))
+            del values, payload, msg, request, message
         if run is None:
             return shard_pb2.RegisterTensorsResponse()
         initialised = 0
@@ -108,7 +125,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         else:
             parts = list(run.parts.values())
         wait_s = request.wait_ms / 1000 if request.wait_ms else _DEFAULT_WAIT_S
-        snapshot = []
+        raw = getattr(self, "raw_bulk", False)  # registered raw (add_shard_servicer): yield bytes
+        # Each part's bytes are a snapshot taken under the lock. The live weights are copied part
+        # by part as they are sent, each at the version its response reports: the first part
+        # leaves before the last is copied, and no pull holds a copy of every part. Anything else
+        # a rule serves (a reduced gradient, ...) is copied at once, under the lock that found
+        # it ready.
+        snapshot: list[tuple[Part, object]] = []
         with run.cond:
             try:
                 if not run.cond.wait_for(lambda: rule.pull_ready(parts, request), timeout=wait_s):
@@ -119,44 +142,18 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             except PushRejected as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             rule.on_pull(request.worker_id, parts)
-            raw = getattr(self, "raw_bulk", False)  # registered raw: yield serialized messages
             for p in parts:
-                values = rule.pull_values(p, request).cpu()
-                if not raw:
-                    # The encoded bytes are the snapshot: one copy, taken under the lock.
-                    payload, lz4 = encode_part(values, request.codec, lz4_threshold=None)
-                    snapshot.append((p, payload, lz4, p.version))
-                    continue
-                if request.codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
-                    check_finite(values, "none: values to encode")  # what the none codec checks
-                    payload, lz4 = memoryview(values.numpy()).cast("B"), False
-                else:
-                    payload, lz4 = encode_part(values, request.codec, lz4_threshold=None)
-                meta = tensor_pb2.TensorPart(
-                    name=p.key[0], index=p.key[1], offset=p.offset, count=p.count, version=p.version, lz4=lz4
-                )
-                meta.dtype = tensor_pb2.DTYPE_FLOAT32
-                meta.codec.CopyFrom(request.codec)
-                # The message is the snapshot: the values' one copy, taken under the lock.
-                message = b"".join(wire.part_message(b"", _PULL_PART_FIELD, meta, payload))
-                snapshot.append((p, message, len(payload), None))
-        if raw:
-            for _, message, nbytes, _ in snapshot:
+                values = rule.pull_values(p, request)
+                live = values.data_ptr() == p.values.data_ptr()  # the weights (Part.values is a new view)
+                snapshot.append((p, None if live else _pull_message(p, values, request.codec, raw)))
+        for p, early in snapshot:
+            if early is None:
                 with run.cond:
-                    run.bytes_pulled += nbytes
-                yield message
-            return
-        for p, payload, lz4, version in snapshot:
+                    early = _pull_message(p, p.values, request.codec, raw)
+            message, nbytes = early
             with run.cond:
-                run.bytes_pulled += len(payload)
-            # Fields set in place: PullResponse(part=TensorPart(...)) costs ~1 ms per MiB of payload.
-            response = shard_pb2.PullResponse()
-            out = response.part
-            out.name, out.index, out.offset, out.count = p.key[0], p.key[1], p.offset, p.count
-            out.dtype = tensor_pb2.DTYPE_FLOAT32
-            out.codec.CopyFrom(request.codec)
-            out.payload, out.version, out.lz4 = payload, version, lz4
-            yield response
+                run.bytes_pulled += nbytes
+            yield message
 
     def Push(self, request_iterator, context):
         run = None
@@ -292,13 +289,37 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
 
 
+def _pull_message(
+    part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams, raw: bool
+) -> tuple[bytes | shard_pb2.PullResponse, int]:
+    """A PullResponse of `values` as the part's current version (serialized when `raw`) and its
+    payload size. For `none` the values are copied once, into the message (raw) or its payload."""
+    values = values.cpu()
+    if raw and codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
+        check_finite(values, "none: values to encode")  # what the none codec checks
+        payload, lz4 = memoryview(values.numpy()).cast("B"), False
+    else:
+        payload, lz4 = encode_part(values, codec, lz4_threshold=None)
+    # Fields set in place: PullResponse(part=TensorPart(...)) costs ~1 ms per MiB of payload.
+    response = shard_pb2.PullResponse()
+    out = response.part
+    out.name, out.index, out.offset, out.count = part.key[0], part.key[1], part.offset, part.count
+    out.dtype = tensor_pb2.DTYPE_FLOAT32
+    out.codec.CopyFrom(codec)
+    out.version, out.lz4 = part.version, lz4
+    if raw:
+        return b"".join(wire.part_message(b"", _PULL_PART_FIELD, out, payload)), len(payload)
+    out.payload = payload
+    return response, len(payload)
+
+
 def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
-    """Serve `servicer` with Push requests and Pull responses as raw bytes: protobuf would copy
-    each payload three more times (parse, field read; field write, serialize), which at 64 MiB
-    costs a fifth of the shard's CPU time (docs/performance.md). Clients see no difference."""
+    """Serve `servicer` with Push and RegisterTensors requests and Pull responses as raw bytes:
+    protobuf would copy each payload twice more (parse and field read; field write and serialize),
+    a fifth of the shard's CPU time at 64 MiB (docs/performance.md). Clients see no difference."""
     servicer.raw_bulk = True
     add_generated = shard_pb2_grpc.add_ShardServiceServicer_to_server
-    wire.add_servicer(add_generated, servicer, server, raw_requests={"Push"}, raw_responses={"Pull"})
+    wire.add_servicer(add_generated, servicer, server, raw_requests={"Push", "RegisterTensors"}, raw_responses={"Pull"})
 
 
 def register_with_coordinator(coordinator: str, address: str, device: str, timeout_s: float = 60.0) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from client.bench.adam import adam
 from client.bench.memory import memory
 from client.bench.step import step
 from client.bench.transport import transport
@@ -18,5 +19,6 @@ def bench() -> None:
 bench.add_command(transport)
 bench.add_command(step)
 bench.add_command(memory)
+bench.add_command(adam)
 
 __all__ = ["bench"]

@@ -4,6 +4,7 @@ hold: its parameters, their optimizer state and one in-flight push per worker.""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 
 MiB = 1 << 20
+PART_SIZE = 4 * MiB
 # Optimizer state, in copies of the parameters: plain SGD (no momentum) keeps none, Adam two moments.
 _STATE = {"sgd": 0, "adam": 2}
 
@@ -44,6 +46,22 @@ def _status_kib(pid: int, field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
+def _reset_peak(pid: int) -> None:
+    """Reset the process's VmHWM to its current RSS (Linux >= 4.0)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _run(
+    bench_workers: BenchWorkers, address: str, op: str, size_mib: float, workers: int, optimizer: str, rounds: int
+):
+    run_id = submit_run(address, op, workers, "none", PART_SIZE, 2 + rounds + 1, optimizer)
+    bench_workers.start(Job(run_id, op, size_mib, "none", warmup=2, rounds=rounds, iters=1), workers)
+    for _ in range(rounds):
+        bench_workers.round()
+    bench_workers.finish()
+
+
 def measure_memory(
     size_mib: float,
     workers: int,
@@ -57,9 +75,12 @@ def measure_memory(
     log(f"memory: {op} {size_mib:g} MiB, {workers} workers, {optimizer}")
     with LocalCluster(shards=1, workers=0) as cluster, BenchWorkers(cluster.address, workers) as bench_workers:
         pid = cluster.shards[0].pid
+        # A tiny run first: the shard's first run loads code (torch.optim's first optimizer alone
+        # is ~70 MiB), which is start-up, not a cost of the parameters.
+        _run(bench_workers, cluster.address, op, 0.01, workers, optimizer, rounds=1)
+        _reset_peak(pid)
         baseline = _status_kib(pid, "VmRSS")
-        run_id = submit_run(cluster.address, op, workers, "none", 4 * MiB, 2 + rounds + 1, optimizer)
-        bench_workers.run(Job(run_id, op, size_mib, "none", warmup=2, rounds=rounds, iters=1), workers)
+        _run(bench_workers, cluster.address, op, size_mib, workers, optimizer, rounds)
         peak = _status_kib(pid, "VmHWM")
     used = (peak - baseline) / 1024
     expected = size_mib * (1 + _STATE[optimizer]) + workers * size_mib
@@ -112,7 +133,7 @@ def memory(size_mib, workers_list, optimizers, ops, json_path) -> None:
         for w in worker_counts
         if not (op == "sync_step" and w < 2)
     ]
-    print_rows(rows, Console())
+    print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")

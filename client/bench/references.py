@@ -1,17 +1,25 @@
 """The yardsticks a transport is measured against, in the same run: raw loopback TCP between two
-processes, and torch.distributed's gloo all_reduce between the same number of processes."""
+processes, and torch.distributed's gloo all_reduce between the same number of processes.
+
+Both stay up as idle processes for the whole bench and run one round when asked, so that the
+bench can interleave their rounds with the gRPC rounds: on a shared machine the load changes
+from second to second, and only measurements taken side by side compare.
+"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
-import statistics
+import struct
 import time
 
 MiB = 1 << 20
 # Socket buffers and the largest single send/recv: big, so that Python's per-call overhead vanishes.
 _SOCKET_BUFFER = 4 * MiB
+# A round's command on the TCP connection: payload size and round trips.
+_COMMAND = struct.Struct("<QI")
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -29,74 +37,88 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _tcp_echo(port_queue: mp.Queue, sizes: list[int], rounds: int, iters: list[int]) -> None:
-    """The far end: receive `size` bytes, send them back, for every size and round."""
+def _tcp_echo(port_queue: mp.Queue) -> None:
+    """The far end: for each command, receive `size` bytes and send them back, `n` times."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     port_queue.put(listener.getsockname()[1])
     conn, _ = listener.accept()
     _tune(conn)
-    for size, n in zip(sizes, iters, strict=True):
-        view = memoryview(bytearray(size))
-        for _ in range(rounds * n + 1):
+    buffer = bytearray()
+    header = memoryview(bytearray(_COMMAND.size))
+    while True:
+        try:
+            _recv_exact(conn, header)
+        except ConnectionError:
+            return
+        size, n = _COMMAND.unpack(header)
+        if len(buffer) < size:
+            buffer = bytearray(size)
+        view = memoryview(buffer)[:size]
+        for _ in range(n):
             _recv_exact(conn, view)
             conn.sendall(view)
-    conn.close()
 
 
-def tcp_ping_pong(sizes: list[int], rounds: int, iters: list[int]) -> dict[int, list[float]]:
-    """Seconds per round trip (send `size` bytes, receive them back) for each size, per round.
+class TcpReference:
+    """Raw loopback TCP between this process and an echo process."""
 
-    A push then a pull moves the same bytes the same way, so 2 * size / seconds is the figure a
-    push + pull is compared with.
-    """
-    ctx = mp.get_context("spawn")
-    ports = ctx.Queue()
-    echo = ctx.Process(target=_tcp_echo, args=(ports, sizes, rounds, iters), daemon=True)
-    echo.start()
-    out: dict[int, list[float]] = {}
-    try:
-        sock = socket.create_connection(("127.0.0.1", ports.get(timeout=60)))
-        _tune(sock)
-        for size, n in zip(sizes, iters, strict=True):
-            send = memoryview(bytearray(os.urandom(min(size, MiB)) * max(1, size // MiB))[:size])
-            back = memoryview(bytearray(size))
-            sock.sendall(send)  # warm-up
-            _recv_exact(sock, back)
-            times = []
-            for _ in range(rounds):
-                start = time.perf_counter()
-                for _ in range(n):
-                    sock.sendall(send)
-                    _recv_exact(sock, back)
-                times.append((time.perf_counter() - start) / n)
-            out[size] = times
-        sock.close()
-    finally:
-        echo.join(timeout=30)
-        if echo.is_alive():
-            echo.kill()
-    return out
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        ports = ctx.Queue()
+        self._echo = ctx.Process(target=_tcp_echo, args=(ports,), daemon=True)
+        self._echo.start()
+        self._sock = socket.create_connection(("127.0.0.1", ports.get(timeout=120)))
+        _tune(self._sock)
+        self._send = bytearray()
+        self._back = bytearray()
+
+    def round(self, size: int, n: int) -> float:
+        """Seconds per round trip of `size` bytes (out and back: what a push then a pull moves),
+        averaged over `n` round trips."""
+        if len(self._send) < size:
+            self._send = bytearray(os.urandom(min(size, MiB)) * (size // MiB + 1))
+            self._back = bytearray(len(self._send))
+        send, back = memoryview(self._send)[:size], memoryview(self._back)[:size]
+        self._sock.sendall(_COMMAND.pack(size, n + 1))
+        self._sock.sendall(send)  # warm-up round trip
+        _recv_exact(self._sock, back)
+        start = time.perf_counter()
+        for _ in range(n):
+            self._sock.sendall(send)
+            _recv_exact(self._sock, back)
+        return (time.perf_counter() - start) / n
+
+    def close(self) -> None:
+        self._sock.close()
+        self._echo.join(timeout=10)
+        if self._echo.is_alive():
+            self._echo.kill()
 
 
-def _gloo_rank(rank: int, world: int, port: int, sizes: list[int], rounds: int, iters: list[int], results) -> None:
+def _gloo_rank(rank: int, world: int, port: int, commands: mp.Queue, results: mp.Queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results.put(("ready", rank, None))
+    tensors: dict[int, torch.Tensor] = {}
     try:
-        for size, n in zip(sizes, iters, strict=True):
-            tensor = torch.randn(size // 4)
-            dist.all_reduce(tensor)  # warm-up (and connection set-up)
-            for r in range(rounds):
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(n):
-                    dist.all_reduce(tensor)
-                results.put((size, r, start, time.perf_counter()))
+        while (command := commands.get()) is not None:
+            size, n = command
+            if size not in tensors:
+                tensors.clear()
+                tensors[size] = torch.randn(size // 4)
+                dist.all_reduce(tensors[size])  # warm-up (connections, buffers)
+            tensor = tensors[size]
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(tensor)
+            results.put(("round", rank, (start, time.perf_counter())))
     finally:
         dist.destroy_process_group()
 
@@ -107,44 +129,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def gloo_all_reduce(world: int, sizes: list[int], rounds: int, iters: list[int]) -> dict[int, list[float]]:
-    """Seconds per all_reduce (sum) of a float32 tensor of each size between `world` processes,
-    per round: first rank's start to last rank's end."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    ranks = [
-        ctx.Process(target=_gloo_rank, args=(r, world, port, sizes, rounds, iters, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in ranks:
-        p.start()
-    spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    expected = world * rounds * len(sizes)
-    deadline = time.monotonic() + 600
-    try:
-        while sum(len(v) for v in spans.values()) < expected:
-            if time.monotonic() > deadline or not all(p.is_alive() or p.exitcode == 0 for p in ranks):
-                raise RuntimeError("gloo reference processes failed")
+class GlooReference:
+    """`world` processes in a gloo process group, idle between rounds."""
+
+    def __init__(self, world: int, timeout_s: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.timeout_s = timeout_s
+        self._results = ctx.Queue()
+        self._commands = [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        self._ranks = [
+            ctx.Process(target=_gloo_rank, args=(r, world, port, self._commands[r], self._results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self._ranks:
+            p.start()
+        self._collect("ready")
+
+    def _collect(self, kind: str) -> list:
+        values = []
+        deadline = time.monotonic() + self.timeout_s
+        while len(values) < self.world:
             try:
-                size, r, start, end = results.get(timeout=1.0)
-            except Exception:
+                what, _, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline or not all(p.is_alive() for p in self._ranks):
+                    raise RuntimeError("the gloo reference processes failed") from None
                 continue
-            spans.setdefault((size, r), []).append((start, end))
-    finally:
-        for p in ranks:
+            if what != kind:
+                raise RuntimeError(f"gloo reference: expected {kind!r}, got {what!r}")
+            values.append(value)
+        return values
+
+    def round(self, size: int, n: int) -> float:
+        """Seconds per all_reduce (sum) of a float32 tensor of `size` bytes, over `n` of them:
+        first rank's start to last rank's end."""
+        for q in self._commands:
+            q.put((size, n))
+        spans = self._collect("round")
+        return (max(e for _, e in spans) - min(s for s, _ in spans)) / n
+
+    def close(self) -> None:
+        for q in self._commands:
+            q.put(None)
+        for p in self._ranks:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    n_of = dict(zip(sizes, iters, strict=True))
-    return {
-        size: [
-            (max(e for _, e in spans[(size, r)]) - min(s for s, _ in spans[(size, r)])) / n_of[size]
-            for r in range(rounds)
-        ]
-        for size in sizes
-    }
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import queue
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -204,13 +205,13 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
     rows = [
         ("step", b.step_s),
         ("  compute (forward + backward)", b.compute_s),
-        ("  exchange (loop blocked)", b.exchange_s),
-        ("    encode", b.encode_s),
-        ("    push (call)", b.push_s),
-        ("    wait (wire + shards)", b.wait_s),
-        ("    pull (call)", b.pull_s),
-        ("    decode", b.decode_s),
-        ("    apply (local, outside calls)", b.apply_s),
+        ("  exchange (loop blocked after backward)", b.exchange_s),
+        ("    push call", b.push_s),
+        ("      encode", b.encode_s),
+        ("    pull call", b.pull_s),
+        ("      decode", b.decode_s),
+        ("    wait (in calls, not coding: wire + shards)", b.wait_s),
+        ("    apply (local update, outside calls)", b.apply_s),
         ("communication overlapped with compute", b.overlap_s),
     ]
     for name, seconds in rows:
@@ -238,7 +239,7 @@ def step(model, dataset, scheme, workers, shards, batch_size, steps, warmup, cod
         raise click.BadParameter(str(e), param_hint="--codec") from None
     console = Console(stderr=True)
     b = measure_step(model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, console)
-    print_breakdown(b, Console())
+    print_breakdown(b, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(asdict(b), indent=2) + "\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -13,14 +14,14 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.references import gloo_all_reduce, median, tcp_ping_pong
+from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 from gradps.codecs import parse_codec
 
 MiB = 1 << 20
-# A round moves at least this many bytes per worker (small sizes repeat within a round).
-_ROUND_BYTES = 32 * MiB
+# By default a round moves at least this many bytes per worker (small sizes repeat in a round).
+ROUND_MIB = 32.0
 
 
 @dataclass
@@ -54,8 +55,8 @@ class Row:
     decode_s: float
 
 
-def _iters(size: int) -> int:
-    return max(1, math.ceil(_ROUND_BYTES / size))
+def _iters(size: int, round_bytes: float) -> int:
+    return max(1, math.ceil(round_bytes / size))
 
 
 def measure_transport(
@@ -66,57 +67,98 @@ def measure_transport(
     rounds: int = 5,
     warmup: int = 2,
     part_size: int = 4 * MiB,
+    round_mib: float = ROUND_MIB,
     console: Console | None = None,
 ) -> list[Row]:
-    """Every (op, size, shards, workers, codec) combination, plus the TCP and gloo references."""
+    """Every (op, size, shards, workers, codec) combination. Each gRPC round runs right after a
+    TCP round and (for two or more workers) a gloo round of the same size, so that the ratios
+    compare measurements taken under the same load."""
     log = console.log if console else (lambda *a, **k: None)
-    sizes = [int(s * MiB) for s in sizes_mib]
-    iters = [_iters(s) for s in sizes]
-    log("reference: loopback TCP ping-pong")
-    tcp = {s: median(t) for s, t in tcp_ping_pong(sizes, rounds, iters).items()}
-    gloo: dict[int, dict[int, float]] = {}
-    for w in sorted({w for w in workers_list if w > 1}):
-        log(f"reference: gloo all_reduce, {w} processes")
-        gloo[w] = {s: median(t) for s, t in gloo_all_reduce(w, sizes, rounds, iters).items()}
-    rows: list[Row] = []
     ops = [("push_pull", w) for w in workers_list] + [("sync_step", w) for w in workers_list if w > 1]
-    for n_shards in shards_list:
-        with LocalCluster(shards=n_shards, workers=0) as cluster:
-            with BenchWorkers(cluster.address, max(workers_list)) as bench_workers:
-                for op, w in ops:
-                    for codec in codecs:
-                        for size_mib, size, n in zip(sizes_mib, sizes, iters, strict=True):
-                            log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, codec {codec}")
-                            steps = warmup + rounds * n + 1
-                            run_id = submit_run(cluster.address, op, w, codec, part_size, steps)
-                            job = Job(run_id, op, size_mib, codec, warmup, rounds, n)
-                            times = bench_workers.run(job, w)
-                            per_iter = [t / n for t in times.seconds()]
-                            seconds = statistics.median(per_iter)
-                            moved = w * 2 * size
-                            gloo_s = gloo.get(w, {}).get(size)
-                            calls = warmup + rounds * n
-                            rows.append(
-                                Row(
-                                    op=op,
-                                    size_mib=size_mib,
-                                    shards=n_shards,
-                                    workers=w,
-                                    codec=codec,
-                                    part_mib=part_size / MiB,
-                                    seconds=seconds,
-                                    gbps=moved / seconds / 1e9,
-                                    tcp_gbps=2 * size / tcp[size] / 1e9,
-                                    ratio_vs_tcp=(moved / seconds) / (2 * size / tcp[size]),
-                                    gloo_seconds=gloo_s,
-                                    ratio_vs_gloo=seconds / gloo_s if gloo_s else None,
-                                    seconds_min=min(per_iter),
-                                    rounds=rounds,
-                                    encode_s=statistics.mean(t["encode_s"] for t in times.traffic) / calls,
-                                    decode_s=statistics.mean(t["decode_s"] for t in times.traffic) / calls,
+    rows: list[Row] = []
+    log("starting the references: a TCP echo process and gloo process groups")
+    tcp = TcpReference()
+    glooes = {w: GlooReference(w) for w in sorted({w for w in workers_list if w > 1})}
+    try:
+        for n_shards in shards_list:
+            with LocalCluster(shards=n_shards, workers=0) as cluster:
+                with BenchWorkers(cluster.address, max(workers_list)) as bench_workers:
+                    for op, w in ops:
+                        for codec in codecs:
+                            for size_mib in sizes_mib:
+                                log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, codec {codec}")
+                                rows.append(
+                                    _measure_one(
+                                        bench_workers,
+                                        cluster.address,
+                                        tcp,
+                                        glooes.get(w),
+                                        op,
+                                        size_mib,
+                                        n_shards,
+                                        w,
+                                        codec,
+                                        rounds,
+                                        warmup,
+                                        part_size,
+                                        round_mib,
+                                    )  # fmt: skip
                                 )
-                            )
+    finally:
+        tcp.close()
+        for gloo in glooes.values():
+            gloo.close()
     return rows
+
+
+def _measure_one(
+    bench_workers: BenchWorkers,
+    address: str,
+    tcp: TcpReference,
+    gloo: GlooReference | None,
+    op: str,
+    size_mib: float,
+    shards: int,
+    workers: int,
+    codec: str,
+    rounds: int,
+    warmup: int,
+    part_size: int,
+    round_mib: float,
+) -> Row:
+    size = int(size_mib * MiB)
+    n = _iters(size, round_mib * MiB)
+    run_id = submit_run(address, op, workers, codec, part_size, warmup + rounds * n + 1)
+    bench_workers.start(Job(run_id, op, size_mib, codec, warmup, rounds, n), workers)
+    grpc_s, tcp_s, gloo_s = [], [], []
+    for _ in range(rounds):
+        tcp_s.append(tcp.round(size, n))
+        if gloo is not None:
+            gloo_s.append(gloo.round(size, n))
+        grpc_s.append(bench_workers.round() / n)
+    traffic = bench_workers.finish()
+    calls = warmup + rounds * n
+    seconds, tcp_seconds = statistics.median(grpc_s), statistics.median(tcp_s)
+    gloo_seconds = statistics.median(gloo_s) if gloo_s else None
+    moved = workers * 2 * size
+    return Row(
+        op=op,
+        size_mib=size_mib,
+        shards=shards,
+        workers=workers,
+        codec=codec,
+        part_mib=part_size / MiB,
+        seconds=seconds,
+        gbps=moved / seconds / 1e9,
+        tcp_gbps=2 * size / tcp_seconds / 1e9,
+        ratio_vs_tcp=(moved / seconds) / (2 * size / tcp_seconds),
+        gloo_seconds=gloo_seconds,
+        ratio_vs_gloo=seconds / gloo_seconds if gloo_seconds else None,
+        seconds_min=min(grpc_s),
+        rounds=rounds,
+        encode_s=statistics.mean(t["encode_s"] for t in traffic) / calls,
+        decode_s=statistics.mean(t["decode_s"] for t in traffic) / calls,
+    )
 
 
 def print_rows(rows: list[Row], console: Console) -> None:
@@ -178,16 +220,26 @@ def _codecs(ctx, param, value: str) -> list[str]:
 @click.option("--codec", "codecs", default="none", callback=_codecs, help="Push codecs, e.g. none,int8.")
 @click.option("--rounds", default=5, type=click.IntRange(min=1), help="Timed rounds per configuration.")
 @click.option("--part-size", default=4.0, type=click.FloatRange(min=0.001, max=64), help="Part size, MiB.")
+@click.option(
+    "--round-mib", default=ROUND_MIB, type=click.FloatRange(min=0, min_open=True), help="Least MiB a round moves."
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
-def transport(sizes, shards_list, workers_list, codecs, rounds, part_size, json_path) -> None:
+def transport(sizes, shards_list, workers_list, codecs, rounds, part_size, round_mib, json_path) -> None:
     """Push + pull through real shard processes beside loopback TCP and gloo all_reduce."""
     if any(s <= 0 for s in sizes):
         raise click.BadParameter("sizes must be positive", param_hint="--sizes")
     console = Console(stderr=True)
     rows = measure_transport(
-        sizes, shards_list, workers_list, codecs, rounds=rounds, part_size=int(part_size * MiB), console=console
+        sizes,
+        shards_list,
+        workers_list,
+        codecs,
+        rounds=rounds,
+        part_size=int(part_size * MiB),
+        round_mib=round_mib,
+        console=console,
     )
-    print_rows(rows, Console())
+    print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")

@@ -12,11 +12,9 @@ import multiprocessing as mp
 import os
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MiB = 1 << 20
-# Ops a bench worker knows: asgd push then pull, and one sync step (push step t, pull t + 1).
-OPS = ("push_pull", "sync_step")
 
 
 @dataclass(frozen=True)
@@ -24,6 +22,7 @@ class Job:
     """What the workers of one run do."""
 
     run_id: str
+    # push_pull (asgd: push, then pull) or sync_step (sync: push step t, pull the weights of t + 1).
     op: str
     size_mib: float
     # CLI codec string for the push (the pull is always `none`).
@@ -32,19 +31,6 @@ class Job:
     rounds: int
     # Iterations per round (small sizes repeat to make a round long enough to time).
     iters: int
-
-
-@dataclass
-class RoundTimes:
-    """Per-round (start, end) of each worker and the worker's Traffic counters after the job."""
-
-    starts: list[list[float]] = field(default_factory=list)
-    ends: list[list[float]] = field(default_factory=list)
-    traffic: list[dict] = field(default_factory=list)
-
-    def seconds(self) -> list[float]:
-        """Wall time of each round: first start to last end, over the workers."""
-        return [max(e) - min(s) for s, e in zip(self.starts, self.ends, strict=True)]
 
 
 def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queue) -> None:
@@ -152,6 +138,7 @@ class BenchWorkers:
             p.start()
         self.pids = [p.pid for p in self._processes]
         self._early: list[list[tuple[str, object]]] = [[] for _ in range(count)]
+        self._chosen: list[int] = []
         # The coordinator gives a run the idle workers with the lowest ids: order them by id.
         joined = dict(self._expect("joined", range(count)))
         self._order = sorted(range(count), key=lambda i: joined[i])
@@ -185,21 +172,25 @@ class BenchWorkers:
             self._early[index].append((what, value))
         return got
 
-    def run(self, job: Job, workers: int) -> RoundTimes:
-        """Run `job` on the first `workers` workers (the run must ask for exactly that many)."""
-        chosen = self._order[:workers]
-        for i in chosen:
+    def start(self, job: Job, workers: int) -> None:
+        """Start `job` on the first `workers` workers (the run must ask for exactly that many):
+        they join the run, register and warm up, then wait for `round()`."""
+        self._chosen = self._order[:workers]
+        for i in self._chosen:
             self._commands[i].put(job)
-        self._expect("ready", chosen)
-        times = RoundTimes()
-        for _ in range(job.rounds):
-            for i in chosen:
-                self._commands[i].put("go")
-            spans = [span for _, span in self._expect("round", chosen)]
-            times.starts.append([s for s, _ in spans])
-            times.ends.append([e for _, e in spans])
-        times.traffic = [t for _, t in sorted(self._expect("traffic", chosen))]
-        return times
+        self._expect("ready", self._chosen)
+
+    def round(self) -> float:
+        """One timed round of the started job on all its workers at once: seconds from the first
+        worker's start to the last worker's end."""
+        for i in self._chosen:
+            self._commands[i].put("go")
+        spans = [span for _, span in self._expect("round", self._chosen)]
+        return max(e for _, e in spans) - min(s for s, _ in spans)
+
+    def finish(self) -> list[dict]:
+        """After the job's last round: each worker's Traffic counters (as dicts)."""
+        return [t for _, t in sorted(self._expect("traffic", self._chosen))]
 
     def close(self) -> None:
         for q in self._commands:

@@ -1,0 +1,175 @@
+"""`gradps bench adam`: the shard's optimizer update of N parameters, in GB/s of memory traffic,
+beside the device's memory bandwidth (a copy and an add over as much memory) in the same run.
+
+Adam must read the parameters, the gradient and both moments and write the parameters and both
+moments: 28 bytes per float32 parameter; that minimum divided by the time is the figure reported.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    import torch
+
+MiB = 1 << 20
+# Bytes an update must move per float32 parameter: reads + writes.
+_TRAFFIC = {"adam": 28, "adamw": 28, "sgd": 12}
+
+
+@dataclass
+class AdamRow:
+    """One way of applying the update to all parts."""
+
+    # "per-part": one optimizer per part, applied part by part (what a shard does per push);
+    # "all-parts": one optimizer over every part, one fused/foreach step for all of them.
+    path: str
+    optimizer: str
+    device: str
+    params: int
+    part_mib: float
+    kernels: str
+    seconds: float
+    gbps: float
+    # The device's memory bandwidth in this run: the better of a copy and an in-place add over
+    # as many floats as there are parameters (reads + writes counted).
+    copy_gbps: float
+    ratio_vs_copy: float
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device, steps: int) -> float:
+    fn()  # warm-up (and lazy state allocation)
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _stream_gbps(n: int, device: torch.device, steps: int) -> float:
+    """Memory bandwidth the device shows in this run: the better of a copy b <- a (8 bytes per
+    float) and an in-place add a += b (12 bytes; in place like an optimizer's update, so no write
+    allocation of fresh lines), over `n` floats."""
+    import torch
+
+    a = torch.empty(n, device=device).uniform_()
+    b = a.clone()
+    copy_s = _time(lambda: b.copy_(a), device, steps)
+    add_s = _time(lambda: a.add_(b, alpha=1e-9), device, steps)
+    return max(8 * n / copy_s, 12 * n / add_s) / 1e9
+
+
+def _per_part_update(parts, grads):
+    """What a shard does for one push: each part's optimizer, part after part."""
+
+    def update() -> None:
+        for part, grad in zip(parts, grads, strict=True):
+            part.apply(grad)
+
+    return update
+
+
+def measure_adam(
+    n_params: int, part_mib: float, device_name: str, optimizer: str, steps: int, paths: list[str]
+) -> list[AdamRow]:
+    """Time the update of `n_params` float32 parameters cut into parts of `part_mib`."""
+    import torch
+
+    from gradps.device import resolve_device
+    from gradps.v1 import run_pb2
+    from ps_server.optimizer import PartOptimizer, kernels, make_optimizer
+
+    device = resolve_device(device_name)
+    per_part = max(1, int(part_mib * MiB) // 4)
+    counts = [min(per_part, n_params - o) for o in range(0, n_params, per_part)]
+    spec = run_pb2.OptimizerSpec(name=optimizer, lr=1e-3)
+    copy_gbps = _stream_gbps(n_params, device, steps)
+    rows = []
+    for path in paths:
+        values = [torch.randn(c, device=device) for c in counts]
+        grads = [torch.randn(c, device=device) * 1e-3 for c in counts]
+        if path == "per-part":
+            parts = [PartOptimizer(v, spec, total_steps=10**6) for v in values]
+            update = _per_part_update(parts, grads)
+            used = kernels([parts[0].param])
+        else:
+            params = [torch.nn.Parameter(v, requires_grad=False) for v in values]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            update = make_optimizer(params, spec).step
+            used = kernels(params)
+        seconds = _time(update, device, steps)
+        gbps = _TRAFFIC[optimizer] * n_params / seconds / 1e9
+        rows.append(
+            AdamRow(
+                path=path,
+                optimizer=optimizer,
+                device=str(device),
+                params=n_params,
+                part_mib=part_mib,
+                kernels=next(iter(used)),
+                seconds=seconds,
+                gbps=gbps,
+                copy_gbps=copy_gbps,
+                ratio_vs_copy=gbps / copy_gbps,
+            )
+        )
+        del values, grads, update
+    return rows
+
+
+def print_rows(rows: list[AdamRow], console: Console) -> None:
+    table = Table(
+        "path", "optimizer", "device", "params", "part MiB", "kernels", "ms", "GB/s", "copy/add GB/s", "vs copy/add",
+        title="gradps bench adam: the shard's update, bytes it must move / time",
+    )  # fmt: skip
+    for r in rows:
+        table.add_row(
+            r.path,
+            r.optimizer,
+            r.device,
+            f"{r.params / 1e6:.0f} M",
+            f"{r.part_mib:g}",
+            r.kernels,
+            f"{r.seconds * 1e3:.1f}",
+            f"{r.gbps:.1f}",
+            f"{r.copy_gbps:.1f}",
+            f"{r.ratio_vs_copy:.0%}",
+        )
+    console.print(table)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--params", "n_params", default=100_000_000, type=click.IntRange(min=1), help="Parameters.")
+@click.option("--part-size", "part_mib", default=4.0, type=click.FloatRange(min=0.001), help="Part size, MiB.")
+@click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--optimizer", default="adam", type=click.Choice(sorted(_TRAFFIC)))
+@click.option("--steps", default=5, type=click.IntRange(min=1), help="Timed updates (median reported).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
+def adam(n_params, part_mib, device, optimizer, steps, json_path) -> None:
+    """The shard's optimizer update in GB/s of memory traffic, beside a copy of the same memory."""
+    rows = measure_adam(n_params, part_mib, device, optimizer, steps, ["per-part", "all-parts"])
+    print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")

@@ -1,0 +1,84 @@
+"""The shard's update and decoding on CUDA match the CPU (skipped without a CUDA device)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradps.codecs import decode_part, encode_part, parse_codec
+from gradps.v1 import run_pb2
+from ps_server.optimizer import PartOptimizer, kernels
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SPECS = [
+    run_pb2.OptimizerSpec(name="sgd", lr=0.1),
+    run_pb2.OptimizerSpec(name="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    run_pb2.OptimizerSpec(name="adam", lr=1e-3),
+    run_pb2.OptimizerSpec(name="adamw", lr=1e-3, weight_decay=0.01, schedule="cosine", warmup_steps=2),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.name}-{s.schedule or 'constant'}")
+def test_part_update_on_cuda_matches_cpu(spec):
+    generator = torch.Generator().manual_seed(0)
+    count = (1 << 20) + 17  # not a multiple of any vector width
+    start = torch.randn(count, generator=generator)
+    grads = [torch.randn(count, generator=generator) for _ in range(5)]
+    cpu = PartOptimizer(start.clone(), spec, total_steps=10)
+    cuda = PartOptimizer(start.clone().cuda(), spec, total_steps=10)
+    assert kernels([cuda.param]) == {"fused": True}
+    for g in grads:
+        cpu.apply(g)
+        cuda.apply(g.cuda())
+    torch.testing.assert_close(cuda.param.detach().cpu(), cpu.param.detach(), rtol=1e-5, atol=1e-6)
+    assert cuda.updates == cpu.updates == len(grads)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "topk:0.1", "sign"])
+def test_decode_on_cuda_matches_cpu(codec):
+    params = parse_codec(codec)
+    values = torch.from_numpy(np.random.default_rng(1).standard_normal(4097).astype(np.float32))
+    payload, lz4 = encode_part(values, params)
+    on_cpu = decode_part(payload, lz4, params, values.numel(), "cpu")
+    on_cuda = decode_part(payload, lz4, params, values.numel(), "cuda")
+    assert on_cuda.device.type == "cuda"
+    torch.testing.assert_close(on_cuda.cpu(), on_cpu, rtol=0, atol=0)
+
+
+def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer():
+    from client.local_cluster import LocalCluster
+    from client.sdk import Client
+    from gpu_worker.ps_client import ParameterClient, tensor_specs
+    from gpu_worker.session import WorkerSession
+    from gradps.v1 import tensor_pb2
+
+    none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
+    spec = run_pb2.OptimizerSpec(name="adam", lr=1e-2)
+    tensors = {"w": torch.randn(300, 700), "b": torch.randn(33)}
+    with LocalCluster(shards=1, workers=0, device="cuda") as cluster:
+        with Client(cluster.address) as client:
+            run_spec = run_pb2.RunSpec(scheme="asgd", workers=1, steps=10, part_size=1 << 18, optimizer=spec)
+            run_id = client.submit(run_spec)
+        session = WorkerSession(cluster.address)
+        try:
+            assert session.wait_for_assignment(wait_s=10).run_id == run_id
+            placement = session.placement(run_id, tensor_specs(tensors), total_steps=10)
+            ps = ParameterClient(placement, run_id, session.worker_id, none, none, timeout_s=30)
+            ps.register(tensors)
+            reference = {n: torch.nn.Parameter(t.clone()) for n, t in tensors.items()}
+            opt = torch.optim.Adam(reference.values(), lr=spec.lr)
+            for step in range(3):
+                grads = {n: torch.randn_like(t) for n, t in tensors.items()}
+                ps.push(grads, step)
+                for n, p in reference.items():
+                    p.grad = grads[n]
+                opt.step()
+            pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
+            ps.pull(pulled)
+            ps.close()
+        finally:
+            session.close()
+    for name, p in reference.items():
+        torch.testing.assert_close(pulled[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
