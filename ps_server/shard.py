@@ -30,6 +30,22 @@ _PUSH_PART_FIELD, _PULL_PART_FIELD, _REGISTER_PART_FIELD = 4, 1, 2
 _PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
 
 
+def _unpack(message, request_type, part_field: int, context: grpc.ServicerContext):
+    """(request, part, payload) of one streamed message with a TensorPart.
+
+    Registered raw (see add_shard_servicer), a message arrives as bytes and the part's payload is
+    viewed in place rather than copied out of a parsed message; parsed, the payload is read once
+    (every read of a protobuf bytes field copies it).
+    """
+    if isinstance(message, bytes):
+        try:
+            rest, part, payload = wire.split_message(message, part_field)
+            return request_type.FromString(rest), part, payload
+        except (wire.WireError, DecodeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {e}")
+    return message, message.part, message.part.payload
+
+
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     """Runs by id; each run has its own lock, so runs never contend."""
 
@@ -75,15 +91,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         run = None
         overwrite = False
         for message in request_iterator:
-            if isinstance(message, bytes):  # registered raw (add_shard_servicer), as in Push
-                try:
-                    rest, msg, payload = wire.split_message(message, _REGISTER_PART_FIELD)
-                    request = shard_pb2.RegisterTensorsRequest.FromString(rest)
-                except (wire.WireError, DecodeError) as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed register message: {e}")
-            else:
-                request, msg = message, message.part
-                payload = msg.payload
+            request, msg, payload = _unpack(message, shard_pb2.RegisterTensorsRequest, _REGISTER_PART_FIELD, context)
             overwrite = overwrite or request.overwrite
             if run is None:
                 run, _ = self._run(request.run_id, context)
@@ -163,18 +171,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         header = None
         # Validate and decode the whole push before touching any state: a bad part changes nothing.
         for message in request_iterator:
-            if isinstance(message, bytes):
-                # Registered raw (see add_shard_servicer): the part's payload is viewed in place,
-                # not copied out of a parsed message.
-                try:
-                    rest, msg, payload = wire.split_message(message, _PUSH_PART_FIELD)
-                    request = shard_pb2.PushRequest.FromString(rest)
-                except (wire.WireError, DecodeError) as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed push message: {e}")
-            else:
-                # Every read of a protobuf bytes field copies it: read the payload once.
-                request, msg = message, message.part
-                payload = msg.payload
+            request, msg, payload = _unpack(message, shard_pb2.PushRequest, _PUSH_PART_FIELD, context)
             if run is None:
                 run, rule = self._run(request.run_id, context)
                 header = (request.run_id, request.worker_id, request.step)

@@ -17,9 +17,7 @@ import pytest
 import torch
 
 from client.local_cluster import LocalCluster
-from client.sdk import Client
-from gpu_worker.ps_client import ParameterClient, tensor_specs
-from gpu_worker.session import WorkerSession
+from gpu_worker.ps_client import ParameterClient
 from gradps.channel import open_channel
 from gradps.codecs import (
     CodecError,
@@ -34,6 +32,7 @@ from gradps.codecs.bench import bench_real_gradients, capture_gradients
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Push, RunState
 from ps_server.schemes.sync import SyncRule
+from tests.joined_run import join_run, leave
 
 NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 CPU = torch.device("cpu")
@@ -59,22 +58,9 @@ def _start_run(
         part_size=part_size,
         optimizer=run_pb2.OptimizerSpec(name="sgd", lr=LR),
     )
-    with Client(address) as client:
-        run_id = client.submit(spec)
-    sessions = [WorkerSession(address, name=f"codec-test-{i}") for i in range(n_workers)]
-    assignments = [s.wait_for_assignment(wait_s=10) for s in sessions]
-    assert all(a is not None and a.run_id == run_id for a in assignments)
-    placement = sessions[0].placement(run_id, tensor_specs(tensors), total_steps=100)
-    clients = [ParameterClient(placement, run_id, s.worker_id, codec, NONE, timeout_s=10) for s in sessions]
+    run_id, sessions, clients, placement = join_run(address, spec, tensors, n_workers, codec)
     clients[0].register(tensors)
     return run_id, sessions, clients, placement
-
-
-def _close(sessions, clients) -> None:
-    for c in clients:
-        c.close()
-    for s in sessions:
-        s.close()
 
 
 def _pull(client: ParameterClient, like: dict[str, torch.Tensor], min_version: int = 0) -> dict[str, torch.Tensor]:
@@ -216,7 +202,7 @@ def test_malformed_compressed_pushes_are_rejected_and_change_nothing(shards_only
         for name, t in tensors.items():
             assert torch.equal(pulled[name], t), f"{name} changed after rejected pushes"
     finally:
-        _close(sessions, clients)
+        leave(sessions, clients)
 
 
 # --- compressed pushes change the weights by the decoded gradient ----------------------------------
@@ -259,7 +245,7 @@ def test_compressed_push_applies_exactly_the_decoded_gradient(shards_only, schem
                 weights[name] = pulled[name]  # continue from the shard's exact values
         assert clients[0].traffic.bytes_pushed < sum(4 * t.numel() for t in tensors.values()) * 3 / 3.9
     finally:
-        _close(sessions, clients)
+        leave(sessions, clients)
 
 
 def test_sync_mean_of_two_topk_workers(shards_only) -> None:
@@ -276,7 +262,7 @@ def test_sync_mean_of_two_topk_workers(shards_only) -> None:
         pulled = _pull(clients[0], tensors, min_version=1)
         torch.testing.assert_close(pulled["w"], expected, rtol=0, atol=1e-6)
     finally:
-        _close(sessions, clients)
+        leave(sessions, clients)
 
 
 def test_sync_rule_sums_sparse_parts_like_dense_ones() -> None:

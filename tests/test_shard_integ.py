@@ -9,34 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.ps_client import ParameterClient, tensor_specs
-from gpu_worker.session import WorkerSession
 from gradps.channel import open_channel
 from gradps.placement import shard_bytes
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
-
-NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
-
-
-def _start_run(address: str, spec: run_pb2.RunSpec, tensors: dict[str, torch.Tensor], n_workers: int = 1):
-    """Submit a run, join `n_workers` sessions as its workers, create the placement."""
-    from client.sdk import Client
-
-    with Client(address) as client:
-        run_id = client.submit(spec)
-    sessions = [WorkerSession(address, name=f"test-{i}") for i in range(n_workers)]
-    assignments = [s.wait_for_assignment(wait_s=10) for s in sessions]
-    assert all(a is not None and a.run_id == run_id for a in assignments)
-    placement = sessions[0].placement(run_id, tensor_specs(tensors), total_steps=100)
-    clients = [ParameterClient(placement, run_id, s.worker_id, NONE, NONE, timeout_s=10) for s in sessions]
-    return run_id, sessions, clients, placement
-
-
-def _close(sessions, clients):
-    for c in clients:
-        c.close()
-    for s in sessions:
-        s.close()
+from tests.joined_run import NONE, join_run, leave
 
 
 def test_parts_balanced_over_three_shards_and_large_tensor_round_trips(shards_only):
@@ -49,7 +25,7 @@ def test_parts_balanced_over_three_shards_and_large_tensor_round_trips(shards_on
         "b": torch.randn(17),
     }
     spec = run_pb2.RunSpec(scheme="asgd", workers=1, part_size=1 << 20, steps=100)
-    run_id, sessions, clients, placement = _start_run(shards_only.address, spec, tensors)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors)
     try:
         clients[0].register(tensors)
         load = shard_bytes(placement)
@@ -67,7 +43,7 @@ def test_parts_balanced_over_three_shards_and_large_tensor_round_trips(shards_on
         for name, t in tensors.items():
             assert torch.equal(pulled[name], t), name  # bit-exact
     finally:
-        _close(sessions, clients)
+        leave(sessions, clients)
 
 
 def _push_raw(stub, run_id: str, worker_id: int, part: tensor_pb2.TensorPart, step: int = 0):
@@ -78,7 +54,7 @@ def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
     tensors = {"w": torch.randn(64, 32), "v": torch.randn(100)}
     lr = 0.05
     spec = run_pb2.RunSpec(scheme="asgd", workers=1, steps=100, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr))
-    run_id, sessions, clients, placement = _start_run(shards_only.address, spec, tensors)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors)
     try:
         clients[0].register(tensors)
         p = next(p for p in placement.parts if p.name == "w")
@@ -159,7 +135,7 @@ def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
         clients[0].pull(pulled)
         assert torch.allclose(pulled["w"].view(-1)[: p.count], tensors["w"].view(-1)[: p.count] - lr)
     finally:
-        _close(sessions, clients)
+        leave(sessions, clients)
 
 
 def test_sync_reduction_equals_sgd_on_concatenated_batches(shards_only):
@@ -181,7 +157,7 @@ def test_sync_reduction_equals_sgd_on_concatenated_batches(shards_only):
         steps=100,
         optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr, momentum=momentum),
     )
-    run_id, sessions, clients, _ = _start_run(
+    run_id, sessions, clients, _ = join_run(
         shards_only.address, spec, {n: p.detach() for n, p in params.items()}, n_workers=2
     )
     try:
@@ -205,13 +181,13 @@ def test_sync_reduction_equals_sgd_on_concatenated_batches(shards_only):
                 for (name, p), q in zip(reference.named_parameters(), replica.parameters(), strict=True):
                     torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
     finally:
-        _close(sessions, clients)
+        leave(sessions, clients)
 
 
 def test_pull_times_out_cleanly_when_version_never_comes(shards_only):
     tensors = {"w": torch.randn(8)}
     spec = run_pb2.RunSpec(scheme="sync", workers=1, steps=10)
-    run_id, sessions, clients, placement = _start_run(shards_only.address, spec, tensors)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors)
     try:
         clients[0].register(tensors)
         with open_channel(placement.shards[placement.parts[0].shard]) as ch:
@@ -222,4 +198,4 @@ def test_pull_times_out_cleanly_when_version_never_comes(shards_only):
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert time.monotonic() - began < 10
     finally:
-        _close(sessions, clients)
+        leave(sessions, clients)

@@ -1,0 +1,38 @@
+"""The test process as a run's workers: submit a run, join sessions, get the placement."""
+
+from __future__ import annotations
+
+import torch
+
+from client.sdk import Client
+from gpu_worker.ps_client import ParameterClient, tensor_specs
+from gpu_worker.session import WorkerSession
+from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
+
+NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
+
+
+def join_run(
+    address: str,
+    spec: run_pb2.RunSpec,
+    tensors: dict[str, torch.Tensor],
+    n_workers: int = 1,
+    codec: tensor_pb2.CodecParams = NONE,
+) -> tuple[str, list[WorkerSession], list[ParameterClient], shard_pb2.Placement]:
+    """Submit `spec`, join `n_workers` sessions as its workers and create the placement;
+    returns (run_id, sessions, clients, placement). Close with `leave`."""
+    with Client(address) as client:
+        run_id = client.submit(spec)
+    sessions = [WorkerSession(address, name=f"test-{i}") for i in range(n_workers)]
+    assignments = [s.wait_for_assignment(wait_s=10) for s in sessions]
+    assert all(a is not None and a.run_id == run_id for a in assignments)
+    placement = sessions[0].placement(run_id, tensor_specs(tensors), total_steps=100)
+    clients = [ParameterClient(placement, run_id, s.worker_id, codec, NONE, timeout_s=10) for s in sessions]
+    return run_id, sessions, clients, placement
+
+
+def leave(sessions: list[WorkerSession], clients: list[ParameterClient]) -> None:
+    for c in clients:
+        c.close()
+    for s in sessions:
+        s.close()
