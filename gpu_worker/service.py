@@ -19,6 +19,7 @@ from gradps.datasets import ShardSampler, load_dataset
 from gradps.device import resolve_device
 from gradps.evaluation import compute_loss, evaluate
 from gradps.models import build_model
+from gradps.v1 import coordinator_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
 
@@ -120,9 +121,8 @@ def serve(coordinator: str, device: torch.device, name: str | None, stop: thread
         session.close()
 
 
-def _failure(e: Exception):
-    from gradps.v1 import coordinator_pb2
-
+def _failure(e: Exception) -> coordinator_pb2.Metrics:
+    """A report that fails the run: the model or dataset could not be built, or training broke."""
     return coordinator_pb2.Metrics(error=f"{type(e).__name__}: {e}"[:2000], test_accuracy=-1.0)
 
 
