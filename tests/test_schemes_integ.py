@@ -50,7 +50,7 @@ def test_pseudosync_with_fixed_alpha_one_is_the_plain_one_step_delay(cluster, cl
 
 
 def test_wagma_trains_and_its_final_model_is_the_global_average(cluster, client, tmp_path):
-    run_id = client.submit(_spec("wagma", params={"tau": 4}))
+    run_id = client.submit(_spec("wagma", epochs=20, params={"tau": 4}))
     summary = follow(client, run_id, tmp_path, show_progress=False)
     assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.85, summary
     final = [m for m in client.run(run_id).run.latest if m.done]
