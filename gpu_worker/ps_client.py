@@ -104,15 +104,16 @@ class ParameterClient:
         shards = [s for s, parts in enumerate(self._parts_by_shard) if parts]
         return list((pool or self._pool).map(fn, shards))
 
-    def register(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Upload initial values; the first worker's upload wins on each shard."""
+    def register(self, tensors: dict[str, torch.Tensor], overwrite: bool = False) -> None:
+        """Upload initial values; the first worker's upload wins on each shard. With `overwrite`,
+        replace the shards' copy (schemes whose model lives on the workers publish it this way)."""
         flat = {name: t.detach().reshape(-1).float().cpu() for name, t in tensors.items()}
 
         def upload(shard: int) -> None:
             def requests() -> Iterator[shard_pb2.RegisterTensorsRequest]:
                 for p in self._parts_by_shard[shard]:
                     values = flat[p.name][p.offset : p.offset + p.count]
-                    request = shard_pb2.RegisterTensorsRequest(run_id=self.run_id)
+                    request = shard_pb2.RegisterTensorsRequest(run_id=self.run_id, overwrite=overwrite)
                     self._part_message(p, values.numpy().tobytes(), False, out=request.part)
                     yield request
 
@@ -123,25 +124,29 @@ class ParameterClient:
     def pull(self, into: dict[str, torch.Tensor], min_version: int = 0, clock: int = 0) -> None:
         """Copy the current global values into `into` (tensors written in place), once every part
         has at least `min_version` (sync) and the slowest worker is within bound of `clock` (ssp)."""
+        request = shard_pb2.PullRequest(min_version=min_version, clock=clock, codec=self.pull_codec)
+        self._fetch_into(into, request)
+
+    def pull_gradient(self, step: int, into: dict[str, torch.Tensor]) -> None:
+        """pseudosync: copy the reduced global gradient of `step` into `into` (waits for it)."""
+        self._fetch_into(into, shard_pb2.PullRequest(gradient=True, gradient_step=step))
+
+    def _fetch_into(self, into: dict[str, torch.Tensor], request: shard_pb2.PullRequest) -> None:
+        """Pull `request` (run, worker and wait filled in here) from every shard into `into`."""
+        request.run_id, request.worker_id = self.run_id, self.worker_id
+        request.wait_ms = int(self.timeout_s * 1000)
         flat = {name: t.data.view(-1) for name, t in into.items()}
         start = time.perf_counter()
 
         def fetch(shard: int) -> tuple[int, float]:
-            request = shard_pb2.PullRequest(
-                run_id=self.run_id,
-                worker_id=self.worker_id,
-                min_version=min_version,
-                clock=clock,
-                wait_ms=int(self.timeout_s * 1000),
-                codec=self.pull_codec,
-            )
             nbytes, decode_s = 0, 0.0
             for message in self._pull_calls[shard](request, timeout=self.timeout_s + 5):
                 began = time.perf_counter()
                 part, payload = wire.split_part(message, _PULL_PART_FIELD)
                 target = flat[part.name][part.offset : part.offset + part.count]
                 _copy_part_into(target, part, payload)
-                self.versions[(part.name, part.index)] = part.version
+                if not request.gradient:  # a weight's version: what the next push was computed on
+                    self.versions[(part.name, part.index)] = part.version
                 nbytes += len(payload)
                 decode_s += time.perf_counter() - began
             return nbytes, decode_s
@@ -211,30 +216,6 @@ class ParameterClient:
             return memoryview(values.numpy()).cast("B"), False
         return encode_part(values, self.codec, feedback=self.feedback, key=key)
 
-    def pull_gradient(self, step: int, into: dict[str, torch.Tensor]) -> None:
-        """pseudosync: copy the reduced global gradient of `step` into `into` (waits for it)."""
-        flat = {name: t.view(-1) for name, t in into.items()}
-        start = time.perf_counter()
-
-        def fetch(shard: int) -> int:
-            request = shard_pb2.PullRequest(
-                run_id=self.run_id,
-                worker_id=self.worker_id,
-                gradient=True,
-                gradient_step=step,
-                wait_ms=int(self.timeout_s * 1000),
-            )
-            nbytes = 0
-            for response in self._stubs[shard].Pull(request, timeout=self.timeout_s + 5):
-                part = response.part
-                values = decode_part(part.payload, part.lz4, part.codec, part.count, torch.device("cpu"))
-                flat[part.name][part.offset : part.offset + part.count].copy_(values)
-                nbytes += len(part.payload)
-            return nbytes
-
-        self.traffic.bytes_pulled += sum(self._each_shard(fetch))
-        self.traffic.wait_s += time.perf_counter() - start
-
     def group_average(
         self, values: dict[str, torch.Tensor], step: int, members: list[int], is_global: bool
     ) -> tuple[dict[str, torch.Tensor], int]:
@@ -258,8 +239,7 @@ class ParameterClient:
             frontier, received = 0, 0
             for response in self._stubs[shard].GroupAverage(iter(messages), timeout=self.timeout_s):
                 part = response.part
-                values = decode_part(part.payload, part.lz4, part.codec, part.count, torch.device("cpu"))
-                out[part.name][part.offset : part.offset + part.count].copy_(values)
+                _copy_part_into(out[part.name][part.offset : part.offset + part.count], part, part.payload)
                 frontier = max(frontier, part.version)
                 received += len(part.payload)
             return frontier, sum(len(m.part.payload) for m in messages), received
@@ -269,23 +249,6 @@ class ParameterClient:
         self.traffic.bytes_pulled += sum(r[2] for r in results)
         self.traffic.wait_s += time.perf_counter() - start
         return average, max((r[0] for r in results), default=0)
-
-    def publish(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite the shards' copy of the weights (schemes whose model lives on the workers)."""
-        flat = {name: t.detach().reshape(-1).float().cpu() for name, t in tensors.items()}
-
-        def upload(shard: int) -> None:
-            def requests() -> Iterator[shard_pb2.RegisterTensorsRequest]:
-                for p in self._parts_by_shard[shard]:
-                    request = shard_pb2.RegisterTensorsRequest(run_id=self.run_id, overwrite=True)
-                    self._part_message(
-                        p, flat[p.name][p.offset : p.offset + p.count].numpy().tobytes(), False, out=request.part
-                    )
-                    yield request
-
-            self._stubs[shard].RegisterTensors(requests(), timeout=self.timeout_s)
-
-        self._each_shard(upload)
 
     def _part_message(
         self,

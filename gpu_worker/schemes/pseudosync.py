@@ -86,4 +86,4 @@ class PseudosyncWorker(WorkerScheme):
         self._pusher.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
         if self.trainer.assignment.rank == 0:
-            self.client.publish(self.params)
+            self.client.register(self.params, overwrite=True)

@@ -60,4 +60,4 @@ class WagmaWorker(WorkerScheme):
         """The final model is the global average; rank 0 publishes it to the shards for export."""
         self._take_global(self.trainer.total_steps)
         if self.rank == 0:
-            self.client.publish(self.params)
+            self.client.register(self.params, overwrite=True)
