@@ -8,7 +8,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from client.sdk import Client
 from gradps.codecs import format_codec
@@ -50,6 +50,21 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
     }
 
 
+def run_progress(console: Console, disable: bool = False) -> Progress:
+    """A progress display of runs: steps done of the total (shown as `?` until the run is placed)."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("step"),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=disable,
+        transient=False,
+    )
+
+
 def follow(client: Client, run_id: str, out_dir: Path, show_progress: bool = True) -> dict[str, Any]:
     """Watch a run to its end, writing metrics.jsonl as events arrive and summary.json at the end."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -58,16 +73,9 @@ def follow(client: Client, run_id: str, out_dir: Path, show_progress: bool = Tru
     final: cpb.Metrics | None = None
     curve: list[dict[str, Any]] = []
     run = client.run(run_id).run
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-    )
     with (
         open(out_dir / "metrics.jsonl", "w") as log,
-        Progress(*columns, console=console, disable=not show_progress, transient=False) as progress,
+        run_progress(console, disable=not show_progress) as progress,
     ):
         task = progress.add_task(f"{run.spec.scheme} {run_id}", total=run.total_steps or None, stats="waiting")
         accuracy = float("nan")
