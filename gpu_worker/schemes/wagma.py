@@ -4,40 +4,11 @@ global synchronous average. The group round is wait-avoiding: see ps_server/sche
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from gpu_worker.schemes.base import WorkerScheme
 from gpu_worker.schemes.group_schedule import default_group_size, group_of
 from ps_server.optimizer import ScheduledOptimizer
-
-
-@dataclass(frozen=True)
-class Rejoin:
-    """Where a worker goes after a round: the step it computes next, and whether it first
-    deposits for the global round `global_step` (it is late, and that round is near)."""
-
-    step: int
-    global_step: int | None = None
-
-
-def rejoin(step: int, frontier: int, last_frontier: int, tau: int) -> Rejoin:
-    """The step after `step`'s round, given the newest step anyone deposited (`frontier`, now and
-    at this worker's previous round).
-
-    A worker that is not behind goes on to step + 1. A late one skips the rounds it missed (their
-    results were fixed with its stale model already) and rejoins at the frontier. The others only
-    ever wait for it in a global round, so it deposits for the next global round at once when the
-    others will get there before it could finish one more step: they advanced
-    `frontier - last_frontier` steps during its last one.
-    """
-    if frontier <= step + 1:
-        return Rejoin(step + 1)
-    next_global = -(-frontier // tau) * tau
-    if next_global - frontier < max(1, frontier - last_frontier):
-        return Rejoin(next_global + 1, global_step=next_global)
-    return Rejoin(frontier)
 
 
 class WagmaWorker(WorkerScheme):
@@ -49,8 +20,6 @@ class WagmaWorker(WorkerScheme):
         self.group_size = sp.group_size or default_group_size(self.world)
         self.tau = sp.tau or 10
         self.optimizer = ScheduledOptimizer(list(self.params.values()), trainer.spec.optimizer, trainer.total_steps)
-        # The frontier seen at the previous round: how fast the others move, in steps per step of ours.
-        self.last_frontier = 0
 
     def start(self) -> None:
         self.client.pull(self.params)
@@ -72,12 +41,15 @@ class WagmaWorker(WorkerScheme):
                 p.mul_(1.0 / (size + 1)).add_(average[name], alpha=size / (size + 1))
             p.grad = grads[name]
         self.optimizer.step()
-        where = rejoin(step, frontier, self.last_frontier, self.tau)
-        self.last_frontier = frontier
-        if where.global_step is not None:
-            self._take_global(where.global_step)
-            self.last_frontier = where.global_step
-        return where.step
+        if frontier <= step + 1:
+            return step + 1
+        # A late worker skips the rounds it missed and rejoins at the newest step. When that step
+        # is a global round, the others are already waiting in it: deposit now rather than after
+        # computing another gradient, so a straggler holds the global round up as little as it can.
+        if frontier % self.tau == 0:
+            self._take_global(frontier)
+            return frontier + 1
+        return frontier
 
     def _take_global(self, step: int) -> None:
         average, _, _ = self._average(step, is_global=True)
