@@ -50,6 +50,7 @@ def run_comparison(
             row = {"scheme": spec.scheme, "time_to_target_s": seconds, "steps_to_target": steps}
             row.update({k: summary[k] for k in COLUMNS if k in summary and k not in row})
             row["state"] = summary["state"]
+            row["samples_per_second_by_rank"] = summary["samples_per_second_by_rank"]
             row["accuracy_curve"] = summary["accuracy_curve"]
             rows.append(row)
     return rows

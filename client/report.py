@@ -39,6 +39,10 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
         "wall_seconds": round(wall, 3),
         # Sum of each worker's own rate: a straggler that finishes last does not hide the others'.
         "samples_per_second": round(sum(m.samples / m.elapsed_s for m in latest if m.elapsed_s > 0), 1),
+        # Each rank's own rate, by rank: shows a straggler, and whether the others waited for it.
+        "samples_per_second_by_rank": [
+            round(m.samples / m.elapsed_s, 1) if m.elapsed_s > 0 else 0.0 for m in sorted(latest, key=lambda m: m.rank)
+        ],
         "final_test_accuracy": final.test_accuracy if final is not None else None,
         "final_test_loss": final.test_loss if final is not None else None,
         "final_loss": sum(m.loss for m in latest) / len(latest) if latest else None,

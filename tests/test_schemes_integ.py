@@ -75,6 +75,17 @@ def test_asgd_options_train(cluster, client, tmp_path, params):
     assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.8, summary
 
 
+def test_a_straggler_slows_only_its_own_rank_under_asgd(cluster, client, tmp_path):
+    run_id = client.submit(_spec("asgd", epochs=4, straggler_rank=1, straggler_factor=4.0))
+    summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "completed", summary
+    fast, slow = summary["samples_per_second_by_rank"]
+    # Rank 1 sleeps 3x its measured step after each one: at most about a quarter of rank 0's rate
+    # (0.5 leaves room for a loaded machine), while asgd never makes rank 0 wait for it.
+    assert slow < 0.5 * fast, summary
+    assert summary["samples_per_second"] == pytest.approx(fast + slow, abs=0.2)
+
+
 @pytest.mark.slow
 def test_compare_runs_every_scheme_to_95_percent(tmp_path):
     """`gradps compare` with 4 workers and 2 shards: every scheme reaches the target; the outputs
@@ -124,5 +135,6 @@ def test_compare_runs_every_scheme_to_95_percent(tmp_path):
             assert key in row, key
         assert row["time_to_target_s"] is not None, row  # reached 95% test accuracy
         assert row["samples_per_second"] > 0
+        assert len(row["samples_per_second_by_rank"]) == 4
     assert (tmp_path / "compare.csv").read_text().count("\n") == 6
     assert (tmp_path / "compare.png").stat().st_size > 10_000
