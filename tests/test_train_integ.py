@@ -78,15 +78,19 @@ def test_stop_run_releases_workers(cluster, client):
     assert client.run(nxt).run.state == cpb.RUN_STATE_COMPLETED
 
 
+_KILL_SCHEMES = ["sync", "asgd", "ssp", "wagma", "pseudosync"]
+
+
 @pytest.fixture(scope="module")
-def four_workers():
-    with LocalCluster(shards=2, workers=4, heartbeat_timeout_s=1.0) as c:
+def spare_workers():
+    """Enough workers for a 2-worker run after each kill test has taken one away for good."""
+    with LocalCluster(shards=2, workers=2 + len(_KILL_SCHEMES) + 1, heartbeat_timeout_s=1.0) as c:
         yield c
 
 
-@pytest.mark.parametrize("scheme", ["sync", "asgd"])
-def test_sigkill_of_a_worker_does_not_hang_the_run(four_workers, scheme, tmp_path):
-    with Client(four_workers.address) as client:
+@pytest.mark.parametrize("scheme", _KILL_SCHEMES)
+def test_sigkill_of_a_worker_does_not_hang_the_run(spare_workers, scheme, tmp_path):
+    with Client(spare_workers.address) as client:
         run_id = client.submit(_spec(scheme, steps=600))
         victim = None
         deadline = time.monotonic() + 60
@@ -96,7 +100,7 @@ def test_sigkill_of_a_worker_does_not_hang_the_run(four_workers, scheme, tmp_pat
             if run.state == cpb.RUN_STATE_RUNNING and any(m.step >= 20 for m in run.latest):
                 worker_id = run.workers[1]
                 name = next(w.name for w in client.cluster().workers if w.worker_id == worker_id)
-                victim = four_workers.workers[int(name.rsplit("-", 1)[1])]
+                victim = spare_workers.workers[int(name.rsplit("-", 1)[1])]
             time.sleep(0.05)
         victim.send_signal(signal.SIGKILL)
         summary = follow(client, run_id, tmp_path, show_progress=False)
@@ -105,10 +109,10 @@ def test_sigkill_of_a_worker_does_not_hang_the_run(four_workers, scheme, tmp_pat
     assert summary["steps"] == 600
 
 
-def test_a_worker_declared_dead_but_still_running_does_not_fail_the_run(four_workers, tmp_path):
+def test_a_worker_declared_dead_but_still_running_does_not_fail_the_run(spare_workers, tmp_path):
     """A paused worker (a long GC pause, a swapped-out process) misses heartbeats, is dropped,
     wakes up and is refused by the shards; the run completes with the others."""
-    with Client(four_workers.address) as client:
+    with Client(spare_workers.address) as client:
         alive = [w.worker_id for w in client.cluster().workers if w.alive]
         run_id = client.submit(_spec("wagma", workers=len(alive), steps=600))
         deadline = time.monotonic() + 60
@@ -120,9 +124,9 @@ def test_a_worker_declared_dead_but_still_running_does_not_fail_the_run(four_wor
             time.sleep(0.05)
         worker_id = run.workers[0]
         name = next(w.name for w in client.cluster().workers if w.worker_id == worker_id)
-        victim = four_workers.workers[int(name.rsplit("-", 1)[1])]
+        victim = spare_workers.workers[int(name.rsplit("-", 1)[1])]
         victim.send_signal(signal.SIGSTOP)
-        time.sleep(3 * four_workers.heartbeat_timeout_s)
+        time.sleep(3 * spare_workers.heartbeat_timeout_s)
         victim.send_signal(signal.SIGCONT)
         summary = follow(client, run_id, tmp_path, show_progress=False)
     assert summary["state"] == "completed", summary
