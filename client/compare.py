@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from client.report import follow
 from client.sdk import Client
@@ -89,14 +89,17 @@ def write_outputs(rows: list[dict[str, Any]], target: float, out_dir: Path, titl
 
 
 def print_table(rows: list[dict[str, Any]], target: float, console: Console | None = None) -> None:
+    def number(header: str) -> Column:
+        return Column(header, justify="right", no_wrap=True)
+
     table = Table(
-        "scheme",
-        f"time to {target:.0%} (s)",
-        "steps to target",
-        "final acc",
-        "samples/s",
-        "staleness mean/max",
-        "wait",
+        Column("scheme", no_wrap=True),
+        number(f"to {target:.0%}\n(s)"),
+        number(f"steps\nto {target:.0%}"),
+        number("final\nacc"),
+        number("samples/s"),
+        number("staleness\nmean/max"),
+        number("wait"),
         title="gradps compare",
     )
     for r in rows:
