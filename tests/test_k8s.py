@@ -1,0 +1,680 @@
+"""The Kubernetes deployment: k8s/ (`kubectl apply -k k8s/`) and its GPU overlay k8s/gpu/.
+
+No cluster needed. The manifests are built as kustomize builds them (a small renderer for what they
+use, checked against `kubectl kustomize` where kubectl is installed); every object validates in
+strict mode against the OpenAPI schemas that kubernetes-validate bundles, and broken copies do not.
+They must agree with the images (docker/*.Dockerfile, via the compose files' image tags), with the
+flags the services read and with each other. Then one real run: every pod the controllers would
+create, started as a local process as its container would start (the image's ENTRYPOINT and ENV,
+the manifest's env with the downward API filled in and $(VAR) expanded), all at once as Kubernetes
+starts them; cluster DNS names mapped to 127.0.0.1 and each pod's ports to free local ones. The
+coordinator must list both shards and both workers, named after their pods, and every probe pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from tests.test_compose import BASE as COMPOSE_FILE
+from tests.test_compose import (
+    CONSOLE_SCRIPTS,
+    Image,
+    _load,
+    _local_argv,
+    _merged,
+    _read_image,
+    _tool_missing,
+)
+
+try:
+    import kubernetes_validate
+except ImportError:  # the test extra installs it; without it, only the validation tests skip
+    kubernetes_validate = None
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+GPU = K8S / "gpu"
+NAMESPACE = "gradps-test"  # any: the manifests set none and read theirs from the downward API
+# The oldest release with GA gRPC probes, and the newest the installed kubernetes-validate knows.
+OLDEST_KUBERNETES = "1.27.0"
+
+_STARTUP_TIMEOUT_S = 40.0  # every pod up and joined; about 6 s on an idle 2-core machine
+_LOCALHOST = "127.0.0.1"
+_ROLES = {"gradps-coordinator": "coordinator", "gradps-shard": "shard", "gradps-worker": "worker"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the manifests
+
+
+def _documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _strategic_merge(base, patch, where: str = ""):
+    """A strategic-merge patch, for what k8s/gpu/ uses: maps merge key by key, scalars are replaced,
+    and the lists that Kubernetes merges by `name` (containers, env, volumes) merge item by item,
+    the patch's items first, as kustomize orders them. Anything else (a `$patch` directive, another
+    list) would need more of the rules, so it is refused."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        assert not any(key.startswith("$") for key in patch), f"{where}: patch directives are not supported"
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = _strategic_merge(base[key], value, f"{where}.{key}") if key in base else copy.deepcopy(value)
+        return merged
+    if isinstance(base, list) or isinstance(patch, list):
+        key = where.rsplit(".", 1)[-1]
+        assert key in ("containers", "initContainers", "env", "volumes"), f"{where}: list not merged by name"
+        by_name = {item["name"]: item for item in base}
+        patched = [_strategic_merge(by_name[p["name"]], p, where) if p["name"] in by_name else p for p in patch]
+        names = {p["name"] for p in patch}
+        return copy.deepcopy(patched) + [copy.deepcopy(item) for item in base if item["name"] not in names]
+    return copy.deepcopy(patch)
+
+
+def _set_image(image: str, rules: list[dict]) -> str:
+    name, tag = image.rsplit(":", 1) if ":" in image.rsplit("/", 1)[-1] else (image, "")  # a registry may have a port
+    for rule in rules:
+        assert set(rule) <= {"name", "newName", "newTag"}, rule
+        if rule["name"] == name:
+            name, tag = rule.get("newName", name), rule.get("newTag", tag)
+    return f"{name}:{tag}" if tag else name
+
+
+def _key(obj: dict) -> tuple[str, str, str]:
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+
+
+def _render(directory: Path) -> list[dict]:
+    """`kustomize build directory` for the fields k8s/ uses: resources (manifest files or
+    kustomization folders), patches (strategic merge, naming their object) and images."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization", directory
+    unsupported = set(kustomization) - {"apiVersion", "kind", "resources", "patches", "images"}
+    assert not unsupported, f"{directory}: the test's renderer does not do {unsupported}"
+    objects: list[dict] = []
+    for entry in kustomization.get("resources", []):
+        path = (directory / entry).resolve()
+        objects += _render(path) if path.is_dir() else _documents(path)
+    for patch in kustomization.get("patches", []):
+        assert set(patch) <= {"patch", "path"}, f"{directory}: a patch with {set(patch)}"
+        doc = (
+            yaml.safe_load(patch["patch"])
+            if "patch" in patch
+            else yaml.safe_load((directory / patch["path"]).read_text())
+        )
+        (index,) = [i for i, obj in enumerate(objects) if _key(obj) == _key(doc)]
+        objects[index] = _strategic_merge(objects[index], doc)
+    for obj in objects:
+        spec = _pod_spec(obj) or {}
+        for container in spec.get("containers", []):
+            container["image"] = _set_image(container["image"], kustomization.get("images", []))
+    return objects
+
+
+def _pod_spec(obj: dict) -> dict | None:
+    return obj["spec"]["template"]["spec"] if obj["kind"] in ("Deployment", "StatefulSet") else None
+
+
+def _workloads(objects: list[dict]) -> dict[str, dict]:
+    return {obj["metadata"]["name"]: obj for obj in objects if _pod_spec(obj) is not None}
+
+
+def _services(objects: list[dict]) -> dict[str, dict]:
+    return {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Service"}
+
+
+def _container(workload: dict) -> dict:
+    (container,) = _pod_spec(workload)["containers"]
+    return container
+
+
+def _dockerfiles() -> dict[str, Path]:
+    """Image tag -> the Dockerfile that builds it, as docker-compose.yml and its GPU override say."""
+    out = {}
+    for compose in (_load(COMPOSE_FILE), _merged()):
+        for service in compose["services"].values():
+            out[service["image"]] = ROOT / service["build"]["context"] / service["build"]["dockerfile"]
+    return out
+
+
+def _image(container: dict) -> Image:
+    dockerfiles = _dockerfiles()
+    assert container["image"] in dockerfiles, f"{container['image']} is no image that compose builds"
+    return _read_image(dockerfiles[container["image"]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _validator():
+    if kubernetes_validate is None:
+        _tool_missing("kubernetes-validate", "pip install kubernetes-validate")
+    return kubernetes_validate
+
+
+def _validate(obj: dict, version: str) -> None:
+    """Raises kubernetes_validate.ValidationError (or SchemaNotFoundError for an unknown kind)."""
+    _validator().validate(obj, version, strict=True)
+
+
+def _versions() -> list[str]:
+    return [OLDEST_KUBERNETES, kubernetes_validate.latest_version() if kubernetes_validate else "latest"]
+
+
+@pytest.mark.parametrize("version", _versions())
+@pytest.mark.parametrize("build", [K8S, GPU], ids=["base", "gpu"])
+def test_every_object_validates_strictly(build: Path, version: str):
+    validator = _validator()
+    for obj in _render(build):
+        try:
+            _validate(obj, version)
+        except validator.ValidationError as e:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} on Kubernetes {version}: {e.message}")
+
+
+# Each breaks a manifest in one way the API server would reject.
+_BROKEN = {
+    "misspelt field": (
+        "base/coordinator.yaml",
+        "      terminationGracePeriodSeconds:",
+        "      terminationGracePeriod:",
+    ),
+    "string for an int": ("base/shard.yaml", "  replicas: 2", '  replicas: "2"'),
+    "named port in a grpc probe": (
+        "base/shard.yaml",
+        "startupProbe:\n            grpc:\n              port: 50052",
+        "startupProbe:\n            grpc:\n              port: grpc",
+    ),
+    "unknown apiVersion": ("base/shard.yaml", "apiVersion: apps/v1\n", "apiVersion: apps/v1beta2\n"),
+    "field at the wrong level": (
+        "base/worker.yaml",
+        "    spec:\n      enable",
+        "    spec:\n      image: gradps-worker:local\n      enable",
+    ),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(_BROKEN))
+def test_validation_rejects_a_broken_copy(broken: str):
+    validator = _validator()
+    path, old, new = _BROKEN[broken]
+    text = (K8S / path).read_text()
+    assert text.count(old) == 1, f"{broken}: {old!r} no longer occurs once in k8s/{path}; update _BROKEN"
+    errors = []
+    for obj in (doc for doc in yaml.safe_load_all(text.replace(old, new)) if doc):
+        try:
+            _validate(obj, validator.latest_version())
+        except (validator.ValidationError, validator.SchemaNotFoundError) as e:
+            errors.append(e)
+    assert errors, f"a manifest with a {broken} validated"
+
+
+def test_the_renderer_builds_what_kustomize_builds():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not found; the renderer is compared with `kubectl kustomize` where it is")
+    for build in (K8S, GPU):
+        result = subprocess.run([kubectl, "kustomize", str(build)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert sorted(_documents_of(result.stdout), key=_key) == sorted(_render(build), key=_key), build
+
+
+def _documents_of(text: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Consistency
+
+
+def test_the_base_is_a_coordinator_two_shards_and_two_workers():
+    base = K8S / "base"
+    listed = yaml.safe_load((base / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in base.glob("*.yaml") if p.name != "kustomization.yaml")
+    objects = _render(K8S)
+    assert len({_key(obj) for obj in objects}) == len(objects), "an object defined twice"
+    workloads = _workloads(objects)
+    assert {name: (w["kind"], w["spec"]["replicas"]) for name, w in workloads.items()} == {
+        "gradps-coordinator": ("Deployment", 1),
+        "gradps-shard": ("StatefulSet", 2),
+        "gradps-worker": ("Deployment", 2),
+    }
+    assert workloads["gradps-coordinator"]["spec"]["strategy"]["type"] == "Recreate", "never two coordinators"
+    assert set(_services(objects)) == {"gradps-coordinator", "gradps-shard"}
+    assert all("namespace" not in obj["metadata"] for obj in objects), "kubectl -n chooses the namespace"
+
+
+@pytest.mark.parametrize("build", [K8S, GPU], ids=["base", "gpu"])
+def test_each_pod_runs_its_service_from_its_image(build: Path):
+    for name, workload in _workloads(_render(build)).items():
+        container = _container(workload)
+        image = _image(container)
+        argv = container.get("command") or image.entrypoint  # command replaces the ENTRYPOINT
+        assert argv[0] in CONSOLE_SCRIPTS and argv[0] == name, f"{name} runs {argv}"
+        assert not container.get("args"), f"{name}: configure through GRADPS_* env, as compose does"
+        assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == _ROLES[name]
+
+
+def _envvars(program: str) -> set[str]:
+    """The environment variables a service's click command reads."""
+    module, function = CONSOLE_SCRIPTS[program].split(":")
+    command = getattr(importlib.import_module(module), function)
+    names: set[str] = set()
+    for param in command.params:
+        envvar = getattr(param, "envvar", None)
+        names.update([envvar] if isinstance(envvar, str) else envvar or [])
+    return names
+
+
+_DOWNWARD_API = {"metadata.name", "metadata.namespace"}
+
+
+@pytest.mark.parametrize("build", [K8S, GPU], ids=["base", "gpu"])
+def test_every_variable_is_one_the_service_reads(build: Path):
+    for name, workload in _workloads(_render(build)).items():
+        container = _container(workload)
+        reads = _envvars(name)
+        assert _pod_spec(workload)["enableServiceLinks"] is False, f"{name}: service links inject GRADPS_* names"
+        env = container.get("env", [])
+        assert len({e["name"] for e in env}) == len(env), f"{name}: a variable set twice"
+        for i, entry in enumerate(env):
+            if entry["name"].startswith("GRADPS_"):
+                assert entry["name"] in reads, f"{name} does not read {entry['name']} (it reads {sorted(reads)})"
+            else:  # a helper: filled by the downward API and used by a later $(VAR)
+                assert entry["valueFrom"]["fieldRef"]["fieldPath"] in _DOWNWARD_API, (name, entry)
+                later = " ".join(e.get("value", "") for e in env[i + 1 :])
+                assert f"$({entry['name']})" in later, f"{name}: {entry['name']} is not used after it is set"
+            if "valueFrom" in entry:
+                assert set(entry["valueFrom"]) == {"fieldRef"}, (name, entry)
+
+
+def _port_of(workload: dict) -> int | None:
+    """The port the service binds: GRADPS_PORT of the manifest, else of the image."""
+    container = _container(workload)
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    port = env.get("GRADPS_PORT", _image(container).env.get("GRADPS_PORT"))
+    return int(port) if port else None
+
+
+def _probes(container: dict) -> dict[str, dict]:
+    return {kind: container[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe") if kind in container}
+
+
+@pytest.mark.parametrize("build", [K8S, GPU], ids=["base", "gpu"])
+def test_ports_probes_and_services_agree(build: Path):
+    objects = _render(build)
+    workloads = _workloads(objects)
+    for name, workload in workloads.items():
+        container, port = _container(workload), _port_of(workload)
+        image = _image(container)
+        assert _probes(container).keys() == {"startupProbe", "readinessProbe", "livenessProbe"}, name
+        if port is None:  # a worker: no port; probed the way its image's HEALTHCHECK is
+            assert "ports" not in container and image.expose == [], name
+            for kind, probe in _probes(container).items():
+                assert probe["exec"]["command"] == image.healthcheck == ["gradps-healthcheck", "worker"], (name, kind)
+                assert probe["exec"]["command"][0] in image.copied_executables
+        else:
+            assert [p["containerPort"] for p in container["ports"]] == [port], name
+            assert image.expose == [str(port)], f"{name}: the image EXPOSEs {image.expose}"
+            for kind, probe in _probes(container).items():
+                assert probe["grpc"] == {"port": port}, f"{name}'s {kind} checks {probe['grpc']}, not the server"
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+
+    for service in _services(objects).values():
+        selector = service["spec"]["selector"].items()
+        selected = [w for w in workloads.values() if selector <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1, f"Service {service['metadata']['name']} selects {len(selected)} workloads"
+        for entry in service["spec"]["ports"]:
+            assert _target_port(selected[0], entry) == _port_of(selected[0]) == entry["port"], entry
+    shards = workloads["gradps-shard"]
+    headless = _services(objects)[shards["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None", "a StatefulSet's own DNS names come from a headless Service"
+
+
+def _target_port(workload: dict, service_port: dict) -> int:
+    target = service_port.get("targetPort", service_port["port"])
+    if isinstance(target, int):
+        return target
+    (port,) = [p["containerPort"] for p in _container(workload).get("ports", []) if p.get("name") == target]
+    return port
+
+
+@pytest.mark.parametrize("build", [K8S, GPU], ids=["base", "gpu"])
+def test_addresses_name_a_service_and_its_port_and_shards_their_own_dns_name(build: Path):
+    objects = _render(build)
+    network = Network(objects, _pods(objects))
+    found = 0
+    for pod in network.pods:
+        for key, value in pod.env.items():
+            if re.fullmatch(r"[\w.-]+:\d+", value):
+                host, port = value.rsplit(":", 1)
+                assert host in _services(objects), f"{pod.name}: {key}={value} names no Service"
+                network.dial(host, int(port))  # raises unless the Service has that port
+                found += 1
+        if "GRADPS_ADVERTISE_HOST" in pod.env:
+            host = pod.env["GRADPS_ADVERTISE_HOST"]
+            assert network.resolve(host) == [pod], f"{pod.name} advertises {host}, which is not its own name"
+    assert found == 4, "each shard and worker names the coordinator"
+
+
+@pytest.mark.parametrize("build", [K8S, GPU], ids=["base", "gpu"])
+def test_pods_run_as_their_images_user_with_resources_and_a_grace_period(build: Path):
+    for name, workload in _workloads(_render(build)).items():
+        spec, container = _pod_spec(workload), _container(workload)
+        uid, gid = _image(container).user.split(":")
+        assert spec["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": int(uid),
+            "runAsGroup": int(gid),
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }, name
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert {"cpu", "memory"} <= container["resources"]["requests"].keys(), name
+        assert "cpu" not in container["resources"].get("limits", {}), f"{name}: a CPU limit throttles training"
+        assert spec["terminationGracePeriodSeconds"] >= 5, f"{name}: time to stop the gRPC server (2 s grace)"
+        assert spec["automountServiceAccountToken"] is False, name
+
+
+def test_gpu_overlay_swaps_images_device_and_gpus_only():
+    base, gpu = _workloads(_render(K8S)), _workloads(_render(GPU))
+    compose_gpu = _merged()["services"]
+    assert gpu["gradps-coordinator"] == base["gradps-coordinator"], "the coordinator needs no GPU"
+    for name, compose_name in (("gradps-shard", "shard-0"), ("gradps-worker", "worker-0")):
+        container = _container(gpu[name])
+        assert container["image"] == compose_gpu[compose_name]["image"], "the image of docker-compose.gpu.yml"
+        assert _dockerfiles()[container["image"]].name.endswith(".cuda.Dockerfile")
+        env = {e["name"]: e for e in container["env"]}
+        assert env["GRADPS_DEVICE"]["value"] == "cuda"
+        for kind in ("requests", "limits"):
+            assert container["resources"][kind]["nvidia.com/gpu"] == 1, (name, kind)
+        # Undo exactly those changes, and the base is back.
+        undone = copy.deepcopy(gpu[name])
+        back = _container(undone)
+        back["image"] = _container(base[name])["image"]
+        for kind in ("requests", "limits"):
+            del back["resources"][kind]["nvidia.com/gpu"]
+        back["env"] = [e if e["name"] != "GRADPS_DEVICE" else {**e, "value": "cpu"} for e in back["env"]]
+        order = [e["name"] for e in _container(base[name])["env"]]
+        back["env"].sort(key=lambda e: order.index(e["name"]))
+        assert undone == base[name], f"{name}: the overlay changes more than image, device and GPUs"
+
+
+# ---------------------------------------------------------------------------------------------
+# The pods as local processes
+
+
+_K8S_EXPANSION = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: variables defined earlier; `$$` is `$`; unknown ones stay."""
+
+    def one(match: re.Match) -> str:
+        if match[0] == "$$":
+            return "$"
+        return env.get(match[1], match[0])
+
+    return _K8S_EXPANSION.sub(one, value)
+
+
+@dataclass
+class Pod:
+    """One pod as its controller would create it, and what its container sees."""
+
+    name: str
+    workload: dict
+    container: dict
+    image: Image
+    env: dict[str, str]  # the image's GRADPS_* ENV, then the manifest's env, as the container sees it
+
+    @property
+    def argv(self) -> list[str]:
+        """The manifest's command (else the image's ENTRYPOINT) and args; only the manifest's expand."""
+        command = [_expand(a, self.env) for a in self.container.get("command", [])] or self.image.entrypoint
+        return [*command, *(_expand(a, self.env) for a in self.container.get("args", []))]
+
+    @property
+    def ports(self) -> list[int]:
+        return [p["containerPort"] for p in self.container.get("ports", [])]
+
+
+def _pod_names(workload: dict) -> list[str]:
+    """StatefulSets number their pods; Deployments add the pod-template hash and five random characters."""
+    name, replicas = workload["metadata"]["name"], workload["spec"]["replicas"]
+    if workload["kind"] == "StatefulSet":
+        return [f"{name}-{i}" for i in range(replicas)]
+    rng = random.Random(name)
+    alphabet = "bcdfghjklmnpqrstvwxz2456789"  # Kubernetes' random suffixes avoid vowels
+    template_hash = "".join(rng.choices(alphabet, k=10))
+    return [f"{name}-{template_hash}-{''.join(rng.choices(alphabet, k=5))}" for _ in range(replicas)]
+
+
+def _pods(objects: list[dict]) -> list[Pod]:
+    pods = []
+    for workload in _workloads(objects).values():
+        container = _container(workload)
+        image = _image(container)
+        for pod_name in _pod_names(workload):
+            fields = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE}
+            env = {k: v for k, v in image.env.items() if k.startswith("GRADPS_")}
+            for entry in container.get("env", []):
+                if "valueFrom" in entry:
+                    env[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+                else:
+                    env[entry["name"]] = _expand(entry.get("value", ""), env)
+                assert "$(" not in env[entry["name"]], f"{pod_name}: {entry['name']} has an undefined $(VAR)"
+            pods.append(Pod(pod_name, workload, container, image, env))
+    return pods
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:  # all open at once, so the ports differ
+            s.bind((_LOCALHOST, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@dataclass
+class Network:
+    """Cluster DNS and Services on 127.0.0.1. In the cluster each pod has its own IP and the shards
+    all bind 50052; here each pod's container port becomes a distinct free local port."""
+
+    objects: list[dict]
+    pods: list[Pod]
+    local: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        wanted = [(pod.name, port) for pod in self.pods for port in pod.ports]
+        self.local = dict(zip(wanted, _free_ports(len(wanted)), strict=True))
+
+    def _selected(self, service: dict) -> list[Pod]:
+        selector = service["spec"]["selector"].items()
+        return [p for p in self.pods if selector <= p.workload["spec"]["template"]["metadata"]["labels"].items()]
+
+    def resolve(self, host: str) -> list[Pod]:
+        """The pods a name in the pod's namespace resolves to: a Service's (`svc`, `svc.ns`,
+        `svc.ns.svc`, `svc.ns.svc.cluster.local`), or one pod of a StatefulSet (`pod.svc.ns.svc`)
+        through the StatefulSet's headless Service."""
+        for suffix in (f".{NAMESPACE}.svc.cluster.local", f".{NAMESPACE}.svc", f".{NAMESPACE}", ""):
+            if host.endswith(suffix):
+                name = host.removesuffix(suffix) if suffix else host
+                services = _services(self.objects)
+                if name in services:
+                    return self._selected(services[name])
+                pod_name, _, service_name = name.partition(".")
+                if service_name in services and services[service_name]["spec"].get("clusterIP") == "None":
+                    return [
+                        p
+                        for p in self._selected(services[service_name])
+                        if p.name == pod_name and p.workload["spec"].get("serviceName") == service_name
+                    ]
+        return []
+
+    def dial(self, host: str, port: int) -> str:
+        """The local address that `host:port` reaches."""
+        pods = self.resolve(host)
+        assert len(pods) == 1, f"{host} resolves to {len(pods)} pods"
+        services = _services(self.objects)
+        name = host.split(".")[0]
+        if name in services:  # through the Service: its port -> the pod's target port
+            entries = [e for e in services[name]["spec"]["ports"] if e["port"] == port]
+            assert len(entries) == 1, f"{host}:{port}: Service {name} has no port {port}"
+            (entry,) = entries
+            port = _target_port(pods[0].workload, entry)
+        assert (pods[0].name, port) in self.local, f"{host}:{port}: {pods[0].name} has no port {port}"
+        return f"{_LOCALHOST}:{self.local[pods[0].name, port]}"
+
+    def local_env(self, pod: Pod) -> dict[str, str]:
+        """The pod's environment on this machine."""
+        env = {}
+        for key, value in pod.env.items():
+            if key == "GRADPS_PORT":
+                env[key] = str(self.local[pod.name, int(value)])
+            elif re.fullmatch(r"[\w.-]+:\d+", value) and self.resolve(value.rsplit(":", 1)[0]):
+                host, port = value.rsplit(":", 1)
+                env[key] = self.dial(host, int(port))
+            elif key.endswith("_HOST") and self.resolve(value):
+                env[key] = _LOCALHOST
+            else:
+                env[key] = value
+        return env
+
+
+class LocalPods:
+    """The pods as local processes: started together, stopped together, as Kubernetes does."""
+
+    def __init__(self, network: Network, logs: Path):
+        self.network = network
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+
+    def environ(self, pod: Pod) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPS_")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        return env | self.network.local_env(pod)
+
+    def start(self) -> None:
+        for pod in self.network.pods:
+            with open(self.logs / f"{pod.name}.log", "wb") as log:
+                self.procs[pod.name] = subprocess.Popen(
+                    _local_argv(pod.argv, pod.image.copied_executables),
+                    env=self.environ(pod),
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+
+    def logs_tail(self, lines: int = 25) -> str:
+        out = []
+        for name, proc in self.procs.items():
+            text = (self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"----- {name} (exit {proc.poll()})\n" + "\n".join(text))
+        return "\n".join(out)
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            assert proc.poll() is None, f"{name} exited with {proc.returncode}\n{self.logs_tail()}"
+
+    def remaining(self, what: str) -> None:
+        assert time.monotonic() < self.deadline, f"timed out waiting for {what}\n{self.logs_tail()}"
+
+    def probe(self, pod: Pod, probe: dict) -> str | None:
+        """What the kubelet's probe sees: None when it passes, else why not."""
+        timeout = probe.get("timeoutSeconds", 1)
+        if "grpc" in probe:
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            address = f"{_LOCALHOST}:{self.network.local[pod.name, probe['grpc']['port']]}"
+            request = health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", ""))
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
+            except grpc.RpcError as e:
+                return f"{e.code().name}: {e.details()}"
+            return None if reply.status == health_pb2.HealthCheckResponse.SERVING else str(reply.status)
+        argv = _local_argv(probe["exec"]["command"], pod.image.copied_executables)
+        result = subprocess.run(argv, env=self.environ(pod), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        return None if result.returncode == 0 else f"exit {result.returncode}: {result.stderr.strip()}"
+
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM to every pod at once, SIGKILL after its terminationGracePeriodSeconds; exit codes,
+        None where the grace period ran out."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        began, codes = time.monotonic(), {}
+        for pod in self.network.pods:
+            if pod.name not in self.procs:
+                continue
+            proc = self.procs[pod.name]
+            grace = pod.workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            try:
+                codes[pod.name] = proc.wait(timeout=max(0.0, began + grace - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                codes[pod.name] = None
+        return codes
+
+
+@pytest.mark.timeout(120)
+def test_the_pods_form_a_cluster_as_local_processes(tmp_path: Path):
+    from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    objects = _render(K8S)
+    pods = LocalPods(Network(objects, _pods(objects)), tmp_path)
+    network = pods.network
+    by_role = {
+        role: [p for p in network.pods if _ROLES[p.workload["metadata"]["name"]] == role] for role in _ROLES.values()
+    }
+    assert [len(by_role[r]) for r in ("coordinator", "shard", "worker")] == [1, 2, 2]
+    coordinator = network.dial("gradps-coordinator", 50051)
+    try:
+        pods.start()
+        expected_shards = sorted(f"{_LOCALHOST}:{network.local[p.name, p.ports[0]]}" for p in by_role["shard"])
+        expected_workers = sorted(p.name for p in by_role["worker"])
+        with grpc.insecure_channel(coordinator) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            while True:
+                pods.check_alive()
+                try:
+                    reply = stub.GetCluster(coordinator_pb2.GetClusterRequest(), timeout=5)
+                    shards, live = sorted(reply.shards), sorted(w.name for w in reply.workers if w.alive)
+                except grpc.RpcError as e:  # the coordinator is still importing torch
+                    shards, live = [], [e.code().name]
+                if shards == expected_shards and live == expected_workers:
+                    break
+                pods.remaining(f"2 shards and 2 workers; the coordinator has {shards}, {live}")
+                time.sleep(0.25)
+        for pod in network.pods:  # every probe passes on the running cluster
+            for kind, probe in _probes(pod.container).items():
+                problem = pods.probe(pod, probe)
+                assert problem is None, f"{pod.name}'s {kind} fails: {problem}\n{pods.logs_tail()}"
+    finally:
+        codes = pods.stop()
+    assert all(code is not None for code in codes.values()), f"killed after the grace period: {codes}"
+    assert codes == dict.fromkeys(codes, 0), f"exit codes after SIGTERM: {codes}\n{pods.logs_tail()}"
