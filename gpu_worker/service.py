@@ -103,9 +103,22 @@ def train(session: WorkerSession, assignment: Assignment, device: torch.device, 
 def serve(coordinator: str, device: torch.device, name: str | None, stop: threading.Event) -> None:
     """Join and train assignments until `stop` is set."""
     session = WorkerSession(coordinator, name=name, device=str(device))
+    lost = False
     try:
         while not stop.is_set():
-            assignment = session.wait_for_assignment(wait_s=1.0)
+            try:
+                assignment = session.wait_for_assignment(wait_s=1.0)
+            except grpc.RpcError as e:
+                # The coordinator restarts, or is stopping with us: wait for it (the heartbeat
+                # thread rejoins once it answers), or leave quietly on our own SIGTERM.
+                if not lost:
+                    _LOGGER.warning("coordinator %s: %s; waiting for it", coordinator, e.code().name)
+                lost = True
+                stop.wait(1.0)
+                continue
+            if lost:
+                _LOGGER.info("coordinator %s is back", coordinator)
+                lost = False
             if assignment is None:
                 continue
             _LOGGER.info("run %s: rank %d of %d", assignment.run_id, assignment.rank, assignment.world)

@@ -1,0 +1,68 @@
+"""The worker service as a process: it outlives its coordinator and leaves cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from client.sdk import Client
+
+
+def _spawn(tmp_path: Path, name: str, module: str, *args: str) -> subprocess.Popen:
+    log = open(tmp_path / f"{name}.log", "ab")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _coordinator(tmp_path: Path, port: int = 0) -> tuple[subprocess.Popen, int]:
+    port_file = tmp_path / "port"
+    port_file.unlink(missing_ok=True)
+    args = ("--port", str(port), "--port-file", str(port_file))
+    process = _spawn(tmp_path, "coordinator", "ps_server.coordinator", *args)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        assert process.poll() is None and time.monotonic() < deadline, "coordinator did not start"
+        time.sleep(0.05)
+    return process, int(port_file.read_text())
+
+
+def _live_workers(address: str) -> list[str]:
+    with Client(address) as client:
+        return [w.name for w in client.cluster().workers if w.alive]
+
+
+def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_a_worker_waits_out_a_coordinator_restart_and_stops_cleanly(tmp_path: Path):
+    coordinator, port = _coordinator(tmp_path)
+    address = f"127.0.0.1:{port}"
+    worker = _spawn(tmp_path, "worker", "gpu_worker.service", "--coordinator", address, "--name", "w0")
+    try:
+        _wait_for(lambda: _live_workers(address) == ["w0"], "the worker did not join")
+        coordinator.kill()
+        coordinator.wait()
+        time.sleep(3)  # several of the worker's 1 s long polls fail meanwhile
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+
+        coordinator, _ = _coordinator(tmp_path, port)  # same address, no memory of the worker
+        _wait_for(lambda: _live_workers(address) == ["w0"], "the worker did not rejoin the new coordinator")
+
+        coordinator.kill()  # and a SIGTERM while the coordinator is gone still exits cleanly
+        coordinator.wait()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()[-2000:]
+        assert "Traceback" not in (tmp_path / "worker.log").read_text()
+    finally:
+        for process in (worker, coordinator):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
