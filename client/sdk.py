@@ -103,7 +103,13 @@ class Client:
         try:
             client.pull(state)
         except grpc.RpcError as e:
-            raise GradpsError(f"cannot pull run {run_id} from its shards: {e.code().name}: {e.details()}") from None
+            # The shards are dialled at the addresses they registered, which outside a compose or
+            # Kubernetes network do not resolve: say where, and where export does work.
+            raise GradpsError(
+                f"cannot pull run {run_id} from its shards ({', '.join(placement.shards)}): "
+                f"{e.code().name}: {e.details()}; export runs where those addresses resolve, "
+                "e.g. `docker compose exec coordinator gradps export ...` or `kubectl exec`"
+            ) from None
         finally:
             client.close()
         return state

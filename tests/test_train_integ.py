@@ -13,7 +13,7 @@ import pytest
 
 from client.local_cluster import LocalCluster
 from client.report import follow
-from client.sdk import Client
+from client.sdk import Client, GradpsError
 from gradps.datasets import load_dataset
 from gradps.evaluation import evaluate
 from gradps.models import build_model
@@ -52,6 +52,19 @@ def test_runs_back_to_back_and_export_reproduces_accuracy(cluster, client, tmp_p
     model.load_state_dict(state)
     _, accuracy = evaluate(model, data)
     assert accuracy == pytest.approx(summaries[1]["final_test_accuracy"], abs=1e-9)
+
+
+def test_export_from_unreachable_shards_says_where_and_how(tmp_path):
+    with LocalCluster(shards=1, workers=1) as cluster, Client(cluster.address) as client:
+        run_id = client.submit(_spec("asgd", workers=1, steps=5))
+        assert follow(client, run_id, tmp_path, show_progress=False)["state"] == "completed"
+        (shard,) = client.cluster().shards
+        cluster.shards[0].kill()
+        cluster.shards[0].wait()
+        with pytest.raises(GradpsError, match="cannot pull run") as failure:
+            client.export_state_dict(run_id)
+    assert shard in str(failure.value) and "docker compose exec" in str(failure.value)
+    assert "\n" not in str(failure.value)
 
 
 def test_unknown_model_is_rejected_at_submit(cluster, client):
