@@ -9,8 +9,9 @@ import grpc
 import torch
 
 from gradps.channel import open_channel
+from gradps.codecs import decode_part
 from gradps.v1 import coordinator_pb2 as cpb
-from gradps.v1 import coordinator_pb2_grpc, run_pb2, tensor_pb2
+from gradps.v1 import coordinator_pb2_grpc, run_pb2
 
 
 class GradpsError(Exception):
@@ -91,25 +92,25 @@ class Client:
             time.sleep(0.1)
 
     def export_state_dict(self, run_id: str) -> dict[str, torch.Tensor]:
-        """The run's current parameters, assembled from all shards, as a state_dict."""
-        from gpu_worker.ps_client import ParameterClient
-
+        """The run's current parameters, assembled from all shards (through the coordinator), as a
+        state_dict."""
         placement = self.run(run_id).placement
         if not placement.tensors:
             raise GradpsError(f"run {run_id} has no parameters on the shards yet")
         state = {t.name: torch.zeros(tuple(t.shape), dtype=torch.float32) for t in placement.tensors}
-        none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
-        client = ParameterClient(placement, run_id, worker_id=0, codec=none, pull_codec=none, timeout_s=30)
+        flat = {name: t.view(-1) for name, t in state.items()}
+        received = 0
         try:
-            client.pull(state)
+            for response in self._stub.ExportRun(cpb.ExportRunRequest(run_id=run_id), timeout=max(self.timeout_s, 300)):
+                part = response.part
+                if part.name not in flat or part.offset + part.count > flat[part.name].numel():
+                    raise GradpsError(f"run {run_id}: part {part.name}/{part.index} is not in the run's placement")
+                values = decode_part(part.payload, part.lz4, part.codec, part.count, "cpu")
+                flat[part.name][part.offset : part.offset + part.count].copy_(values)
+                received += part.count
         except grpc.RpcError as e:
-            # The shards are dialled at the addresses they registered, which outside a compose or
-            # Kubernetes network do not resolve: say where, and where export does work.
-            raise GradpsError(
-                f"cannot pull run {run_id} from its shards ({', '.join(placement.shards)}): "
-                f"{e.code().name}: {e.details()}; export runs where those addresses resolve, "
-                "e.g. `docker compose exec coordinator gradps export ...` or `kubectl exec`"
-            ) from None
-        finally:
-            client.close()
+            raise GradpsError(f"cannot export run {run_id}: {e.code().name}: {e.details()}") from None
+        expected = sum(t.numel() for t in state.values())
+        if received != expected:
+            raise GradpsError(f"run {run_id}: export received {received:,} of {expected:,} values")
         return state

@@ -23,6 +23,10 @@ _LOGGER = logging.getLogger("gradps.coordinator")
 _ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
 # Shards keep the parameters of this many ended runs, so `gradps export` works after a run.
 _KEEP_ENDED_RUNS = 8
+# ExportRun: how long a shard may take to have every part initialised.
+_EXPORT_WAIT_MS = 10_000
+# ... and the worker id its pulls carry: no worker's (DC-ASGD remembers what each worker pulled).
+_EXPORTER_ID = 2**32 - 1
 
 
 @dataclass
@@ -132,6 +136,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     for w in self._workers.values()
                 ],
             )
+
+    def ExportRun(self, request, context) -> Iterator[cpb.ExportRunResponse]:
+        with self._cond:
+            record = self._record(request.run_id, context)
+            placement = record.placement
+        if placement is None or not placement.tensors:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id} has no parameters yet")
+        # Part by part, shard after shard (no lock held): one part in memory at a time.
+        pull = shard_pb2.PullRequest(run_id=request.run_id, worker_id=_EXPORTER_ID, wait_ms=_EXPORT_WAIT_MS)
+        for index, address in enumerate(placement.shards):
+            try:
+                for response in self._stub(address).Pull(pull, timeout=_EXPORT_WAIT_MS / 1000 + 30):
+                    out = cpb.ExportRunResponse()
+                    out.part.CopyFrom(response.part)
+                    yield out
+            except grpc.RpcError as e:
+                why = f"{e.code().name}: {e.details()}"
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {index} at {address}: {why}")
 
     # ---- shards and workers -------------------------------------------------------------------
 

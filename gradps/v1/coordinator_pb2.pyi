@@ -151,6 +151,18 @@ class WatchRunResponse(_message.Message):
     metrics: Metrics
     def __init__(self, run: _Optional[_Union[RunStatus, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ...) -> None: ...
 
+class ExportRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ExportRunResponse(_message.Message):
+    __slots__ = ("part",)
+    PART_FIELD_NUMBER: _ClassVar[int]
+    part: _tensor_pb2.TensorPart
+    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+
 class GetClusterRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -65,6 +65,11 @@ class CoordinatorServiceStub:
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.GetClusterRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_coordinator__pb2.GetClusterResponse.FromString,
                 _registered_method=True)
+        self.ExportRun = channel.unary_stream(
+                '/gradps.v1.CoordinatorService/ExportRun',
+                request_serializer=gradps_dot_v1_dot_coordinator__pb2.ExportRunRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_coordinator__pb2.ExportRunResponse.FromString,
+                _registered_method=True)
         self.RegisterShard = channel.unary_unary(
                 '/gradps.v1.CoordinatorService/RegisterShard',
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.RegisterShardRequest.SerializeToString,
@@ -138,6 +143,15 @@ class CoordinatorServiceServicer:
 
     def GetCluster(self, request, context):
         """Client: the cluster's shards and workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportRun(self, request, context):
+        """Client: a run's current parameters, every part from every shard, relayed by the coordinator,
+        which reaches the shards at the addresses they registered where a client outside the
+        cluster's network (compose, Kubernetes) cannot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -217,6 +231,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.GetCluster,
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.GetClusterRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_coordinator__pb2.GetClusterResponse.SerializeToString,
+            ),
+            'ExportRun': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportRun,
+                    request_deserializer=gradps_dot_v1_dot_coordinator__pb2.ExportRunRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_coordinator__pb2.ExportRunResponse.SerializeToString,
             ),
             'RegisterShard': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterShard,
@@ -412,6 +431,33 @@ class CoordinatorService:
             '/gradps.v1.CoordinatorService/GetCluster',
             gradps_dot_v1_dot_coordinator__pb2.GetClusterRequest.SerializeToString,
             gradps_dot_v1_dot_coordinator__pb2.GetClusterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradps.v1.CoordinatorService/ExportRun',
+            gradps_dot_v1_dot_coordinator__pb2.ExportRunRequest.SerializeToString,
+            gradps_dot_v1_dot_coordinator__pb2.ExportRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
