@@ -22,6 +22,7 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
     latest = list(run.latest)
     wall = (run.finished_at or run.started_at) - run.started_at if run.started_at else 0.0
     pushes = sum(m.pushes for m in latest)
+    rates = [m.samples / m.elapsed_s if m.elapsed_s > 0 else 0.0 for m in sorted(latest, key=lambda m: m.rank)]
     busy = sum(m.elapsed_s for m in latest)
     return {
         "run_id": run.run_id,
@@ -38,11 +39,9 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
         "total_steps": run.total_steps,
         "wall_seconds": round(wall, 3),
         # Sum of each worker's own rate: a straggler that finishes last does not hide the others'.
-        "samples_per_second": round(sum(m.samples / m.elapsed_s for m in latest if m.elapsed_s > 0), 1),
+        "samples_per_second": round(sum(rates), 1),
         # Each rank's own rate, by rank: shows a straggler, and whether the others waited for it.
-        "samples_per_second_by_rank": [
-            round(m.samples / m.elapsed_s, 1) if m.elapsed_s > 0 else 0.0 for m in sorted(latest, key=lambda m: m.rank)
-        ],
+        "samples_per_second_by_rank": [round(rate, 1) for rate in rates],
         "final_test_accuracy": final.test_accuracy if final is not None else None,
         "final_test_loss": final.test_loss if final is not None else None,
         "final_loss": sum(m.loss for m in latest) / len(latest) if latest else None,

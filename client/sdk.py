@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import grpc
 import torch
 
+from gpu_worker.ps_client import copy_part_into
 from gradps.channel import open_channel
-from gradps.codecs import decode_part
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2
 
@@ -105,8 +105,7 @@ class Client:
                 part = response.part
                 if part.name not in flat or part.offset + part.count > flat[part.name].numel():
                     raise GradpsError(f"run {run_id}: part {part.name}/{part.index} is not in the run's placement")
-                values = decode_part(part.payload, part.lz4, part.codec, part.count, "cpu")
-                flat[part.name][part.offset : part.offset + part.count].copy_(values)
+                copy_part_into(flat[part.name][part.offset : part.offset + part.count], part, part.payload)
                 received += part.count
         except grpc.RpcError as e:
             raise GradpsError(f"cannot export run {run_id}: {e.code().name}: {e.details()}") from None

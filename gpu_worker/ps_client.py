@@ -144,7 +144,7 @@ class ParameterClient:
                 began = time.perf_counter()
                 part, payload = wire.split_part(message, _PULL_PART_FIELD)
                 target = flat[part.name][part.offset : part.offset + part.count]
-                _copy_part_into(target, part, payload)
+                copy_part_into(target, part, payload)
                 if not request.gradient:  # a weight's version: what the next push was computed on
                     self.versions[(part.name, part.index)] = part.version
                 nbytes += len(payload)
@@ -239,7 +239,7 @@ class ParameterClient:
             frontier, received = 0, 0
             for response in self._stubs[shard].GroupAverage(iter(messages), timeout=self.timeout_s):
                 part = response.part
-                _copy_part_into(out[part.name][part.offset : part.offset + part.count], part, part.payload)
+                copy_part_into(out[part.name][part.offset : part.offset + part.count], part, part.payload)
                 frontier = max(frontier, part.version)
                 received += len(part.payload)
             return frontier, sum(len(m.part.payload) for m in messages), received
@@ -274,8 +274,8 @@ class ParameterClient:
         return out
 
 
-def _copy_part_into(target: torch.Tensor, part: tensor_pb2.TensorPart, payload: memoryview) -> None:
-    """Decode a pulled part straight into its slice of the model (one copy for `none`)."""
+def copy_part_into(target: torch.Tensor, part: tensor_pb2.TensorPart, payload: memoryview) -> None:
+    """Decode a pulled (or exported) part straight into its slice of the model: one copy for `none`."""
     if part.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and not part.lz4:
         if len(payload) != 4 * part.count:
             raise CodecError(f"none: payload is {len(payload)} bytes, expected {4 * part.count}")
