@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -15,8 +18,10 @@ from gradps.channel import open_channel
 from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part
 from gradps.codecs.base import check_finite
 from gradps.placement import ITEMSIZE, PartKey
+from gradps.shared_memory import ALIGN, Segment, SegmentError, aligned
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
 
+_LOGGER = logging.getLogger("gradps.worker")
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _PUSH = "/gradps.v1.ShardService/Push"
 _PULL = "/gradps.v1.ShardService/Pull"
@@ -43,6 +48,21 @@ class Traffic:
     pull_s: float = 0.0
 
 
+@dataclass
+class _Area:
+    """Half of a shard's shared segment: the push area or the pull area. One call uses it at a
+    time; a call that finds it busy sends its payloads inline."""
+
+    segment: Segment
+    offset: int
+    length: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 def tensor_specs(tensors: dict[str, torch.Tensor]) -> list[tensor_pb2.TensorSpec]:
     """The wire description of named float32 tensors, in the given order."""
     return [
@@ -62,7 +82,10 @@ class ParameterClient:
         codec: tensor_pb2.CodecParams,
         pull_codec: tensor_pb2.CodecParams,
         timeout_s: float = 120.0,
+        shared_memory: bool = True,
     ) -> None:
+        """With `shared_memory`, payloads to and from shards on this host go through a shared
+        segment per shard (gradps/shared_memory.py); elsewhere, or without it, inline."""
         self.placement = placement
         self.run_id = run_id
         self.worker_id = worker_id
@@ -92,6 +115,54 @@ class ParameterClient:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(placement.shards)), thread_name_prefix="shard")
         # Pushes get their own threads: a scheme may push while a pull waits on the shards.
         self._push_pool = ThreadPoolExecutor(max_workers=max(1, len(placement.shards)), thread_name_prefix="push")
+        # (push area, pull area) of each shard's segment, None where payloads go inline.
+        self._areas: list[tuple[_Area, _Area] | None] = [None] * len(placement.shards)
+        if shared_memory:
+            for shard, parts in enumerate(self._parts_by_shard):
+                if parts:
+                    self._areas[shard] = self._map_segment(shard)
+
+    @property
+    def shared_shards(self) -> list[int]:
+        """Shards whose payloads go through shared memory."""
+        return [s for s, areas in enumerate(self._areas) if areas is not None]
+
+    def _map_segment(self, shard: int) -> tuple[_Area, _Area] | None:
+        """A segment with room for every part of `shard` twice (a push and a pull at once), mapped
+        by the shard; None when it cannot be (another host, no /dev/shm): payloads go inline."""
+        # Any codec's payload of a part fits in its float32 bytes (top-k above half does not:
+        # such parts go inline).
+        length = sum(aligned(4 * p.count) for p in self._parts_by_shard[shard])
+        try:
+            segment = Segment.create(2 * length)
+        except SegmentError as e:
+            _LOGGER.info("shard %d: payloads inline (%s)", shard, e)
+            return None
+        try:
+            request = shard_pb2.MapSegmentRequest(
+                run_id=self.run_id, worker_id=self.worker_id, segment=segment.name, token=segment.token
+            )
+            self._stubs[shard].MapSegment(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            _LOGGER.info("shard %d: payloads inline (%s: %s)", shard, e.code().name, e.details())
+            return None
+        finally:
+            segment.unlink()  # both processes hold it now: it goes when the last one drops it
+        return _Area(segment, ALIGN, length), _Area(segment, ALIGN + length, length)
+
+    @contextmanager
+    def _claim(self, shard: int, which: int) -> Iterator[_Area | None]:
+        """The shard's push (0) or pull (1) area for one call, None when there is none or another
+        call holds it."""
+        areas = self._areas[shard]
+        area = areas[which] if areas else None
+        if area is None or not area.lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            yield area
+        finally:
+            area.lock.release()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -139,10 +210,22 @@ class ParameterClient:
         start = time.perf_counter()
 
         def fetch(shard: int) -> tuple[int, float]:
+            with self._claim(shard, 1) as area:
+                return fetch_into(shard, area)
+
+        def fetch_into(shard: int, area: _Area | None) -> tuple[int, float]:
+            shard_request = request
+            if area is not None:
+                shard_request = shard_pb2.PullRequest()
+                shard_request.CopyFrom(request)
+                into = shard_request.into
+                into.segment, into.offset, into.length = area.segment.name, area.offset, area.length
             nbytes, decode_s = 0, 0.0
-            for message in self._pull_calls[shard](request, timeout=self.timeout_s + 5):
+            for message in self._pull_calls[shard](shard_request, timeout=self.timeout_s + 5):
                 began = time.perf_counter()
                 part, payload = wire.split_part(message, _PULL_PART_FIELD)
+                if part.HasField("shared"):
+                    payload = _shared_payload(area, part.shared)
                 target = flat[part.name][part.offset : part.offset + part.count]
                 copy_part_into(target, part, payload)
                 if not request.gradient:  # a weight's version: what the next push was computed on
@@ -173,27 +256,39 @@ class ParameterClient:
             sent: list[bytes] = []
             sizes = [0, 0.0]  # payload bytes, encode seconds
 
-            def messages() -> Iterator[bytes]:
+            def messages(area: _Area | None) -> Iterator[bytes]:
+                nonlocal cursor
                 yield from list(sent)
                 for p in parts:
                     began = time.perf_counter()
                     payload, lz4 = self._encode(flat[p.name][p.offset : p.offset + p.count], (p.name, p.index))
                     meta = self._part_message(p, b"", lz4, codec=self.codec)
+                    size = len(payload)
+                    if area is not None and cursor + size <= area.end:
+                        # The payload's one copy goes into the segment; the shard reads it there.
+                        area.segment.region(cursor, size)[:] = payload
+                        shared = meta.shared
+                        shared.segment, shared.offset, shared.length = area.segment.name, cursor, size
+                        cursor += aligned(size)
+                        payload = b""
                     message = b"".join(wire.part_message(header, _PUSH_PART_FIELD, meta, payload))
-                    sizes[0] += len(payload)
+                    sizes[0] += size
                     sizes[1] += time.perf_counter() - began
                     sent.append(message)
                     yield message
 
-            # Pushes are idempotent per (worker, step): retrying after a timeout is safe.
-            for attempt in range(3):
-                try:
-                    response = self._push_calls[shard](messages(), timeout=self.timeout_s)
-                    return response.staleness, sizes[0], sizes[1]
-                except grpc.RpcError as e:
-                    if e.code() not in _RETRYABLE or attempt == 2:
-                        raise
-                    time.sleep(0.2 * (attempt + 1))
+            # Pushes are idempotent per (worker, step): retrying after a timeout is safe. The area
+            # is held until the shard answered: its bytes are the push until then.
+            with self._claim(shard, 0) as area:
+                cursor = area.offset if area else 0  # the next free byte of the area, across retries
+                for attempt in range(3):
+                    try:
+                        response = self._push_calls[shard](messages(area), timeout=self.timeout_s)
+                        return response.staleness, sizes[0], sizes[1]
+                    except grpc.RpcError as e:
+                        if e.code() not in _RETRYABLE or attempt == 2:
+                            raise
+                        time.sleep(0.2 * (attempt + 1))
             raise AssertionError("unreachable")
 
         results = self._each_shard(send, pool=self._push_pool)
@@ -272,6 +367,15 @@ class ParameterClient:
         out.version = self.versions.get((p.name, p.index), 0)
         out.lz4 = lz4
         return out
+
+
+def _shared_payload(area: _Area | None, region: tensor_pb2.SharedRegion) -> memoryview:
+    """The bytes a shard wrote into this pull's area."""
+    if area is None or region.segment != area.segment.name:
+        raise CodecError(f"a part arrived in segment {region.segment!r}, which this pull did not offer")
+    if region.offset < area.offset or region.offset + region.length > area.end:
+        raise CodecError(f"a part arrived at [{region.offset}, {region.offset + region.length}), outside the pull area")
+    return area.segment.region(region.offset, region.length)
 
 
 def copy_part_into(target: torch.Tensor, part: tensor_pb2.TensorPart, payload: memoryview) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradps.placement import PartKey
+from gradps.shared_memory import Segment
 from gradps.v1 import run_pb2, shard_pb2
 from ps_server.optimizer import PartOptimizer
 
@@ -67,6 +68,8 @@ class RunState:
     pushes: int = 0
     bytes_pushed: int = 0
     bytes_pulled: int = 0
+    # Shared-memory segments mapped for workers on this host, by (worker id, segment name).
+    segments: dict[tuple[int, str], Segment] = field(default_factory=dict)
 
     @classmethod
     def open(cls, request: shard_pb2.OpenRunRequest, device: torch.device) -> RunState:
@@ -88,6 +91,12 @@ class RunState:
             parts=parts,
             live_workers=set(request.workers),
         )
+
+    def set_live_workers(self, live: set[int]) -> None:
+        """The members changed: forget the segments of workers that left (their memory is freed
+        once the worker's own mapping goes too)."""
+        self.live_workers = live
+        self.segments = {key: s for key, s in self.segments.items() if key[0] in live}
 
     def param_bytes(self) -> int:
         return sum(p.count * 4 for p in self.parts.values())

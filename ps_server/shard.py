@@ -18,6 +18,7 @@ from gradps.channel import add_health, bind, make_server, open_channel, serve_un
 from gradps.codecs import CodecError, decode_part, decode_summand, encode_part
 from gradps.codecs.base import check_finite
 from gradps.device import resolve_device
+from gradps.shared_memory import NAME, Segment, SegmentError, aligned
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
 from ps_server.schemes import RULES, ShardRule
@@ -28,6 +29,8 @@ _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 # PushRequest.part, PullResponse.part and RegisterTensorsRequest.part (gradps/v1/shard.proto).
 _PUSH_PART_FIELD, _PULL_PART_FIELD, _REGISTER_PART_FIELD = 4, 1, 2
 _PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
+# A worker maps one segment per client of a run (see gpu_worker/ps_client.py); a few spare.
+_MAX_SEGMENTS_PER_WORKER = 4
 
 
 def _unpack(message, request_type, part_field: int, context: grpc.ServicerContext):
@@ -81,7 +84,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         with run.cond:
             if request.epoch > run.membership_epoch:
                 run.membership_epoch = request.epoch
-                run.live_workers = set(request.live_workers)
+                run.set_live_workers(set(request.live_workers))
                 rule.membership_changed()
                 run.cond.notify_all()
         return shard_pb2.SetMembershipResponse()
@@ -134,6 +137,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             parts = list(run.parts.values())
         wait_s = request.wait_ms / 1000 if request.wait_ms else _DEFAULT_WAIT_S
         raw = getattr(self, "raw_bulk", False)  # registered raw (add_shard_servicer): yield bytes
+        into = None
+        if request.HasField("into"):
+            segment = self._segment(run, request.worker_id, request.into.segment, context)
+            _region(segment, request.into.offset, request.into.length, context)  # checked before any wait
+            into = _RegionWriter(segment, request.into.offset, request.into.length)
         # Each part's bytes are a snapshot taken under the lock. The live weights are copied part
         # by part as they are sent, each at the version its response reports: the first part
         # leaves before the last is copied, and no pull holds a copy of every part. Anything else
@@ -153,11 +161,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             for p in parts:
                 values = rule.pull_values(p, request)
                 live = values.data_ptr() == p.values.data_ptr()  # the weights (Part.values is a new view)
-                snapshot.append((p, None if live else _pull_message(p, values, request.codec, raw)))
+                snapshot.append((p, None if live else _pull_message(p, values, request.codec, raw, into)))
         for p, early in snapshot:
+            if into is not None and not context.is_active():
+                return  # cancelled: the worker may have reused its area for its next pull
             if early is None:
                 with run.cond:
-                    early = _pull_message(p, p.values, request.codec, raw)
+                    early = _pull_message(p, p.values, request.codec, raw, into)
             message, nbytes = early
             with run.cond:
                 run.bytes_pulled += nbytes
@@ -184,6 +194,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             part = self._part(run, msg, context)
             if part.key in grads:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice")
+            if msg.HasField("shared"):
+                if len(payload):
+                    context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index} has a payload and a shared one"
+                    )
+                segment = self._segment(run, request.worker_id, msg.shared.segment, context)
+                payload = _region(segment, msg.shared.offset, msg.shared.length, context)
             # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
             try:
                 grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
@@ -211,6 +228,32 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             run.bytes_pushed += nbytes
             run.cond.notify_all()
         return shard_pb2.PushResponse(parts=len(grads), staleness=staleness, applied=True)
+
+    def MapSegment(self, request, context):
+        run, _ = self._run(request.run_id, context)
+        if not NAME.fullmatch(request.segment):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad segment name {request.segment!r}: expected 'gradps-' and 1-100 of [A-Za-z0-9_-]",
+            )
+        try:
+            segment = Segment.open(request.segment, request.token)
+        except SegmentError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        key = (request.worker_id, request.segment)
+        with run.cond:
+            if request.worker_id not in run.live_workers:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"worker {request.worker_id} is not a live member of the run"
+                )
+            mapped = sum(1 for worker, _ in run.segments if worker == request.worker_id)
+            if key not in run.segments and mapped >= _MAX_SEGMENTS_PER_WORKER:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"worker {request.worker_id} already has {mapped} segments mapped in this run",
+                )
+            run.segments[key] = segment
+        return shard_pb2.MapSegmentResponse(size=segment.size)
 
     def GetStats(self, request, context):
         run, _ = self._run(request.run_id, context)
@@ -279,6 +322,16 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         return part
 
+    @staticmethod
+    def _segment(run: RunState, worker_id: int, name: str, context: grpc.ServicerContext) -> Segment:
+        with run.cond:
+            segment = run.segments.get((worker_id, name))
+        if segment is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"segment {name!r} is not mapped for worker {worker_id} in the run"
+            )
+        return segment
+
     def _decode(self, part: Part, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> torch.Tensor:
         try:
             return decode_part(msg.payload, msg.lz4, msg.codec, part.count, self.device)
@@ -286,11 +339,38 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
 
 
+def _region(segment: Segment, offset: int, length: int, context: grpc.ServicerContext) -> memoryview:
+    try:
+        return segment.region(offset, length)
+    except SegmentError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+class _RegionWriter:
+    """Lays a pull's payloads one after another into the region the worker gave (PullRequest.into)."""
+
+    def __init__(self, segment: Segment, offset: int, length: int) -> None:
+        self.segment = segment
+        self.cursor = offset
+        self.end = offset + length
+
+    def put(self, payload: wire.Buffer) -> tensor_pb2.SharedRegion | None:
+        """Copy `payload` in and say where it lies; None when it does not fit (it goes inline)."""
+        size = len(payload)
+        if self.cursor + size > self.end:
+            return None
+        self.segment.region(self.cursor, size)[:] = payload
+        region = tensor_pb2.SharedRegion(segment=self.segment.name, offset=self.cursor, length=size)
+        self.cursor += aligned(size)
+        return region
+
+
 def _pull_message(
-    part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams, raw: bool
+    part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams, raw: bool, into: _RegionWriter | None
 ) -> tuple[bytes | shard_pb2.PullResponse, int]:
     """A PullResponse of `values` as the part's current version (serialized when `raw`) and its
-    payload size. For `none` the values are copied once, into the message (raw) or its payload."""
+    payload size. For `none` the values are copied once: into the worker's shared region when it
+    fits, else into the message (raw) or its payload."""
     values = values.cpu()
     if raw and codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
         check_finite(values, "none: values to encode")  # what the none codec checks
@@ -304,10 +384,14 @@ def _pull_message(
     out.dtype = tensor_pb2.DTYPE_FLOAT32
     out.codec.CopyFrom(codec)
     out.version, out.lz4 = part.version, lz4
+    size = len(payload)
+    if into is not None and (region := into.put(payload)) is not None:
+        out.shared.CopyFrom(region)
+        payload = b""
     if raw:
-        return b"".join(wire.part_message(b"", _PULL_PART_FIELD, out, payload)), len(payload)
+        return b"".join(wire.part_message(b"", _PULL_PART_FIELD, out, payload)), size
     out.payload = payload
-    return response, len(payload)
+    return response, size
 
 
 def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:

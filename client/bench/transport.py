@@ -3,6 +3,7 @@ raw loopback TCP and torch gloo all_reduce of the same bytes, measured in one in
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -35,6 +36,8 @@ class Row:
     shards: int
     workers: int
     codec: str
+    # Where payloads travel: "shm" (shared memory; the calls still go through gRPC) or "grpc".
+    transport: str
     part_mib: float
     # Seconds per iteration (push + pull) with all workers running at once.
     seconds: float
@@ -64,6 +67,7 @@ def measure_transport(
     shards_list: list[int],
     workers_list: list[int],
     codecs: list[str],
+    transports: tuple[str, ...] = ("shm", "grpc"),
     rounds: int = 5,
     warmup: int = 2,
     part_size: int = 4 * MiB,
@@ -84,26 +88,26 @@ def measure_transport(
             with LocalCluster(shards=n_shards, workers=0) as cluster:
                 with BenchWorkers(cluster.address, max(workers_list)) as bench_workers:
                     for op, w in ops:
-                        for codec in codecs:
-                            for size_mib in sizes_mib:
-                                log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, codec {codec}")
-                                rows.append(
-                                    _measure_one(
-                                        bench_workers,
-                                        cluster.address,
-                                        tcp,
-                                        glooes.get(w),
-                                        op,
-                                        size_mib,
-                                        n_shards,
-                                        w,
-                                        codec,
-                                        rounds,
-                                        warmup,
-                                        part_size,
-                                        round_mib,
-                                    )  # fmt: skip
-                                )
+                        for codec, transport, size_mib in itertools.product(codecs, transports, sizes_mib):
+                            log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, {codec}, {transport}")
+                            rows.append(
+                                _measure_one(
+                                    bench_workers,
+                                    cluster.address,
+                                    tcp,
+                                    glooes.get(w),
+                                    op,
+                                    size_mib,
+                                    n_shards,
+                                    w,
+                                    codec,
+                                    transport,
+                                    rounds,
+                                    warmup,
+                                    part_size,
+                                    round_mib,
+                                )  # fmt: skip
+                            )
     finally:
         tcp.close()
         for gloo in glooes.values():
@@ -121,6 +125,7 @@ def _measure_one(
     shards: int,
     workers: int,
     codec: str,
+    transport: str,
     rounds: int,
     warmup: int,
     part_size: int,
@@ -129,7 +134,7 @@ def _measure_one(
     size = int(size_mib * MiB)
     n = _iters(size, round_mib * MiB)
     run_id = submit_run(address, op, workers, codec, part_size, warmup + rounds * n + 1)
-    bench_workers.start(Job(run_id, op, size_mib, codec, warmup, rounds, n), workers)
+    bench_workers.start(Job(run_id, op, size_mib, codec, warmup, rounds, n, transport), workers)
     grpc_s, tcp_s, gloo_s = [], [], []
     for _ in range(rounds):
         tcp_s.append(tcp.round(size, n))
@@ -147,6 +152,7 @@ def _measure_one(
         shards=shards,
         workers=workers,
         codec=codec,
+        transport=transport,
         part_mib=part_size / MiB,
         seconds=seconds,
         gbps=moved / seconds / 1e9,
@@ -163,7 +169,7 @@ def _measure_one(
 
 def print_rows(rows: list[Row], console: Console) -> None:
     table = Table(
-        "op", "MiB", "shards", "workers", "codec", "ms", "GB/s", "TCP GB/s", "vs TCP", "gloo ms", "vs gloo",
+        "op", "MiB", "shards", "workers", "codec", "via", "ms", "GB/s", "TCP GB/s", "vs TCP", "gloo ms", "vs gloo",
         title="gradps bench transport (medians; GB/s = fp32 bytes pushed + pulled over all workers)",
     )  # fmt: skip
     for r in rows:
@@ -173,6 +179,7 @@ def print_rows(rows: list[Row], console: Console) -> None:
             str(r.shards),
             str(r.workers),
             r.codec,
+            r.transport,
             f"{r.seconds * 1e3:.1f}",
             f"{r.gbps:.2f}",
             f"{r.tcp_gbps:.2f}",
@@ -213,18 +220,33 @@ def _codecs(ctx, param, value: str) -> list[str]:
     return items
 
 
+def _transports(ctx, param, value: str) -> tuple[str, ...]:
+    items = _csv(str)(ctx, param, value)
+    unknown = [t for t in items if t not in ("shm", "grpc")]
+    if unknown:
+        raise click.BadParameter(f"unknown transport {unknown[0]!r}: expected shm or grpc")
+    return tuple(items)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--sizes", default="1,16,64,256", callback=_csv(float), help="Parameter set sizes, MiB.")
 @click.option("--shards", "shards_list", default="1,2", callback=_positive_ints, help="Shard counts.")
 @click.option("--workers", "workers_list", default="1,2", callback=_positive_ints, help="Worker counts.")
 @click.option("--codec", "codecs", default="none", callback=_codecs, help="Push codecs, e.g. none,int8.")
+@click.option(
+    "--transport",
+    "transports",
+    default="shm,grpc",
+    callback=_transports,
+    help="Where payloads travel: shm (shared memory, calls over gRPC), grpc (in the messages).",
+)
 @click.option("--rounds", default=5, type=click.IntRange(min=1), help="Timed rounds per configuration.")
 @click.option("--part-size", default=4.0, type=click.FloatRange(min=0.001, max=64), help="Part size, MiB.")
 @click.option(
     "--round-mib", default=ROUND_MIB, type=click.FloatRange(min=0, min_open=True), help="Least MiB a round moves."
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
-def transport(sizes, shards_list, workers_list, codecs, rounds, part_size, round_mib, json_path) -> None:
+def transport(sizes, shards_list, workers_list, codecs, transports, rounds, part_size, round_mib, json_path) -> None:
     """Push + pull through real shard processes beside loopback TCP and gloo all_reduce."""
     if any(s <= 0 for s in sizes):
         raise click.BadParameter("sizes must be positive", param_hint="--sizes")
@@ -234,6 +256,7 @@ def transport(sizes, shards_list, workers_list, codecs, rounds, part_size, round
         shards_list,
         workers_list,
         codecs,
+        transports,
         rounds=rounds,
         part_size=int(part_size * MiB),
         round_mib=round_mib,

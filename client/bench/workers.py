@@ -31,6 +31,8 @@ class Job:
     rounds: int
     # Iterations per round (small sizes repeat to make a round long enough to time).
     iters: int
+    # Payloads in shared memory ("shm") or in the gRPC messages ("grpc").
+    transport: str = "shm"
 
 
 def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queue) -> None:
@@ -52,7 +54,12 @@ def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queu
     total = job.warmup + job.rounds * job.iters + 1
     placement = session.placement(job.run_id, tensor_specs(params), total)
     none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
-    client = ParameterClient(placement, job.run_id, session.worker_id, parse_codec(job.codec), none)
+    shared = job.transport == "shm"
+    client = ParameterClient(
+        placement, job.run_id, session.worker_id, parse_codec(job.codec), none, shared_memory=shared
+    )
+    if shared and len(client.shared_shards) != len(placement.shards):
+        raise RuntimeError(f"shared memory with shards {client.shared_shards} only, of {len(placement.shards)}")
     step = 0
 
     def once() -> None:

@@ -103,7 +103,7 @@ class PartRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "parts", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step")
+    __slots__ = ("run_id", "worker_id", "parts", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step", "into")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class PullRequest(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    INTO_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     parts: _containers.RepeatedCompositeFieldContainer[PartRef]
@@ -122,7 +123,8 @@ class PullRequest(_message.Message):
     clock: int
     gradient: bool
     gradient_step: int
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ...) -> None: ...
+    into: _tensor_pb2.SharedRegion
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("part",)
@@ -173,6 +175,24 @@ class GroupAverageResponse(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     part: _tensor_pb2.TensorPart
     def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+
+class MapSegmentRequest(_message.Message):
+    __slots__ = ("run_id", "worker_id", "segment", "token")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    worker_id: int
+    segment: str
+    token: bytes
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., segment: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class MapSegmentResponse(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -65,6 +65,11 @@ class ShardServiceStub:
                 request_serializer=gradps_dot_v1_dot_shard__pb2.PushRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_shard__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.MapSegment = channel.unary_unary(
+                '/gradps.v1.ShardService/MapSegment',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.MapSegmentRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.MapSegmentResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/gradps.v1.ShardService/GetStats',
                 request_serializer=gradps_dot_v1_dot_shard__pb2.GetStatsRequest.SerializeToString,
@@ -124,6 +129,17 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MapSegment(self, request, context):
+        """Worker -> shard: map a shared-memory segment the worker created on this host, so that its
+        pushes and pulls of this run can carry payloads in it (TensorPart.shared, PullRequest.into)
+        instead of through the socket. FAILED_PRECONDITION when the shard cannot open it (another
+        host or container): the worker then sends payloads inline. The shard unmaps a worker's
+        segments when the run closes or the worker leaves it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Counters of a run on this shard.
         """
@@ -172,6 +188,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=gradps_dot_v1_dot_shard__pb2.PushRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_shard__pb2.PushResponse.SerializeToString,
+            ),
+            'MapSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.MapSegment,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.MapSegmentRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.MapSegmentResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -347,6 +368,33 @@ class ShardService:
             '/gradps.v1.ShardService/Push',
             gradps_dot_v1_dot_shard__pb2.PushRequest.SerializeToString,
             gradps_dot_v1_dot_shard__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MapSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.ShardService/MapSegment',
+            gradps_dot_v1_dot_shard__pb2.MapSegmentRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.MapSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

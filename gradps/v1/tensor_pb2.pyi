@@ -60,7 +60,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorPart(_message.Message):
-    __slots__ = ("name", "index", "offset", "count", "dtype", "codec", "payload", "version", "lz4")
+    __slots__ = ("name", "index", "offset", "count", "dtype", "codec", "payload", "version", "lz4", "shared")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class TensorPart(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LZ4_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     name: str
     index: int
     offset: int
@@ -79,4 +80,15 @@ class TensorPart(_message.Message):
     payload: bytes
     version: int
     lz4: bool
-    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[CodecParams, _Mapping]] = ..., payload: _Optional[bytes] = ..., version: _Optional[int] = ..., lz4: _Optional[bool] = ...) -> None: ...
+    shared: SharedRegion
+    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[CodecParams, _Mapping]] = ..., payload: _Optional[bytes] = ..., version: _Optional[int] = ..., lz4: _Optional[bool] = ..., shared: _Optional[_Union[SharedRegion, _Mapping]] = ...) -> None: ...
+
+class SharedRegion(_message.Message):
+    __slots__ = ("segment", "offset", "length")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    offset: int
+    length: int
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...

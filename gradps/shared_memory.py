@@ -1,0 +1,118 @@
+"""Shared-memory segments: the payloads of pushes and pulls between a worker and a shard that run
+on one host.
+
+A worker creates a segment (a file in /dev/shm), the shard maps it (ShardService.MapSegment) and
+the worker then unlinks the file: the memory lives while either process maps it, so a killed
+worker leaks nothing. A payload then crosses with one memcpy instead of gRPC's copies and the
+kernel's two through a loopback socket (docs/performance.md). gRPC still carries every call and
+its metadata; only the payload bytes move. Where the shard cannot open the file (another host,
+another container), MapSegment fails and the worker sends payloads inline, as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHM_DIR = Path("/dev/shm")
+NAME = re.compile(r"gradps-[A-Za-z0-9_-]{1,100}")
+TOKEN_BYTES = 16
+# Regions start after the token, at a cache-line boundary; every region offset is a multiple of it.
+ALIGN = 64
+
+
+class SegmentError(Exception):
+    """A segment that cannot be created, opened or addressed as asked."""
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
+
+class Segment:
+    """A mapped segment; `region` and `floats` give views of its bytes (no copy)."""
+
+    def __init__(self, name: str, memory: mmap.mmap, token: bytes) -> None:
+        self.name = name
+        self.size = len(memory)
+        self.token = token
+        self._memory = memory
+        self._bytes = np.frombuffer(memory, dtype=np.uint8)
+
+    @classmethod
+    def create(cls, size: int) -> Segment:
+        """A new segment with room for `size` bytes of regions after its token, its pages
+        allocated now (a first touch in the middle of a push would cost a page fault per 4 KiB)."""
+        name = f"gradps-{os.getpid()}-{secrets.token_hex(8)}"
+        total = ALIGN + aligned(size)
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise SegmentError(f"cannot create {SHM_DIR / name}: {e.strerror}") from None
+        try:
+            os.posix_fallocate(fd, 0, total)
+            memory = mmap.mmap(fd, total)
+        except OSError as e:
+            os.unlink(SHM_DIR / name)
+            raise SegmentError(f"cannot allocate {total} bytes in {SHM_DIR}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        token = secrets.token_bytes(TOKEN_BYTES)
+        memory[:TOKEN_BYTES] = token
+        return cls(name, memory, token)
+
+    @classmethod
+    def open(cls, name: str, token: bytes) -> Segment:
+        """Map the segment another process created, checking that its first bytes are `token`."""
+        if not NAME.fullmatch(name):
+            raise SegmentError(f"bad segment name {name!r}: expected 'gradps-' and 1-100 of [A-Za-z0-9_-]")
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR)
+        except OSError as e:
+            reason = "not on this host" if e.errno == errno.ENOENT else e.strerror
+            raise SegmentError(f"cannot open segment {name}: {reason}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < ALIGN:
+                raise SegmentError(f"segment {name} is {size} bytes, too small")
+            memory = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if not hmac.compare_digest(memory[:TOKEN_BYTES], token):
+            memory.close()
+            raise SegmentError(f"segment {name}: token does not match")
+        return cls(name, memory, token)
+
+    def unlink(self) -> None:
+        """Remove the file; the mappings stay valid until both processes drop them."""
+        try:
+            os.unlink(SHM_DIR / self.name)
+        except FileNotFoundError:
+            pass
+
+    def check(self, offset: int, length: int) -> None:
+        """SegmentError unless [offset, offset + length) is an aligned range after the token."""
+        if offset < ALIGN or offset % ALIGN or length < 0 or offset + length > self.size:
+            raise SegmentError(
+                f"region [{offset}, {offset + length}) of segment {self.name} is not an aligned range "
+                f"within [{ALIGN}, {self.size})"
+            )
+
+    def region(self, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length), checked."""
+        self.check(offset, length)
+        return memoryview(self._bytes[offset : offset + length])
+
+    def floats(self, offset: int, count: int) -> torch.Tensor:
+        """`count` float32 values at `offset`, as a tensor viewing the segment."""
+        self.check(offset, 4 * count)
+        return torch.from_numpy(self._bytes[offset : offset + 4 * count].view(np.float32))
