@@ -16,7 +16,7 @@ import torch
 from gradps import wire
 from gradps.channel import open_channel
 from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part
-from gradps.codecs.base import check_finite
+from gradps.codecs.base import require_finite
 from gradps.placement import ITEMSIZE, PartKey
 from gradps.shared_memory import ALIGN, Segment, SegmentError, aligned
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
@@ -223,14 +223,16 @@ class ParameterClient:
             nbytes, decode_s = 0, 0.0
             for message in self._pull_calls[shard](shard_request, timeout=self.timeout_s + 5):
                 began = time.perf_counter()
-                part, payload = wire.split_part(message, _PULL_PART_FIELD)
-                if part.HasField("shared"):
-                    payload = _shared_payload(area, part.shared)
-                target = flat[part.name][part.offset : part.offset + part.count]
-                copy_part_into(target, part, payload)
-                if not request.gradient:  # a weight's version: what the next push was computed on
-                    self.versions[(part.name, part.index)] = part.version
-                nbytes += len(payload)
+                rest, first, payload = wire.split_message(message, _PULL_PART_FIELD)
+                parts = [(first, payload)] if first is not None else []
+                # The parts the shard wrote into the shared area arrive together, in `parts`.
+                parts += [(p, _shared_payload(area, p.shared)) for p in shard_pb2.PullResponse.FromString(rest).parts]
+                for part, payload in parts:
+                    target = flat[part.name][part.offset : part.offset + part.count]
+                    copy_part_into(target, part, payload)
+                    if not request.gradient:  # a weight's version: what the next push was computed on
+                        self.versions[(part.name, part.index)] = part.version
+                    nbytes += len(payload)
                 decode_s += time.perf_counter() - began
             return nbytes, decode_s
 
@@ -259,23 +261,30 @@ class ParameterClient:
             def messages(area: _Area | None) -> Iterator[bytes]:
                 nonlocal cursor
                 yield from list(sent)
+                batch = shard_pb2.PushRequest.FromString(header)
                 for p in parts:
                     began = time.perf_counter()
                     payload, lz4 = self._encode(flat[p.name][p.offset : p.offset + p.count], (p.name, p.index))
                     meta = self._part_message(p, b"", lz4, codec=self.codec)
                     size = len(payload)
+                    sizes[0] += size
                     if area is not None and cursor + size <= area.end:
-                        # The payload's one copy goes into the segment; the shard reads it there.
+                        # The payload's one copy goes into the segment, where the shard reads it;
+                        # the parts placed there leave together, in one message.
                         area.segment.region(cursor, size)[:] = payload
                         shared = meta.shared
                         shared.segment, shared.offset, shared.length = area.segment.name, cursor, size
                         cursor += aligned(size)
-                        payload = b""
+                        batch.parts.append(meta)
+                        sizes[1] += time.perf_counter() - began
+                        continue
                     message = b"".join(wire.part_message(header, _PUSH_PART_FIELD, meta, payload))
-                    sizes[0] += size
                     sizes[1] += time.perf_counter() - began
                     sent.append(message)
                     yield message
+                if batch.parts:
+                    sent.append(batch.SerializeToString())
+                    yield sent[-1]
 
             # Pushes are idempotent per (worker, step): retrying after a timeout is safe. The area
             # is held until the shard answered: its bytes are the push until then.
@@ -307,7 +316,7 @@ class ParameterClient:
         """One part's payload and lz4 flag. Lossless `none` sends the values' own memory (copied
         once, into the message), after the same NaN/Inf check the codec makes."""
         if self.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and values.is_contiguous():
-            check_finite(values, "none: values to encode")
+            require_finite(values, "none: values to encode")
             return memoryview(values.numpy()).cast("B"), False
         return encode_part(values, self.codec, feedback=self.feedback, key=key)
 

@@ -93,12 +93,13 @@ def _fields(buf: memoryview, pos: int, end: int):
         yield field, wire_type, key_start, start, pos
 
 
-def split_message(message: Buffer, part_field: int) -> tuple[bytes, tensor_pb2.TensorPart, memoryview]:
-    """Split a message holding a TensorPart in field `part_field` (a PushRequest, a PullResponse)
-    into its other fields (serialized, for the message's own FromString), the part's metadata (a
-    TensorPart without payload) and a read-only view of the payload, without copying the payload.
+def split_message(message: Buffer, part_field: int) -> tuple[bytes, tensor_pb2.TensorPart | None, memoryview]:
+    """Split a message that may hold a TensorPart in field `part_field` (a PushRequest, a
+    PullResponse) into its other fields (serialized, for the message's own FromString), the part's
+    metadata (a TensorPart without payload; None when the field is absent) and a read-only view of
+    the payload, without copying the payload.
 
-    Raises WireError on bytes that are not protobuf encoding or hold no such part.
+    Raises WireError on bytes that are not protobuf encoding.
     """
     buf = memoryview(message).cast("B") if not isinstance(message, bytes) else memoryview(message)
     part = None
@@ -108,7 +109,7 @@ def split_message(message: Buffer, part_field: int) -> tuple[bytes, tensor_pb2.T
                 raise WireError(f"field {part_field} appears twice")
             part = (key_start, start, end)
     if part is None:
-        raise WireError(f"no field {part_field} in the message")
+        return bytes(buf), None, buf[0:0]
     key_start, start, end = part
     payload = buf[0:0]
     meta = []
@@ -128,8 +129,11 @@ def split_message(message: Buffer, part_field: int) -> tuple[bytes, tensor_pb2.T
 
 
 def split_part(message: Buffer, part_field: int = 1) -> tuple[tensor_pb2.TensorPart, memoryview]:
-    """The part's metadata and payload view of `split_message` (the other fields dropped)."""
+    """The part's metadata and payload view of `split_message` (the other fields dropped);
+    WireError when there is no part."""
     _, meta, payload = split_message(message, part_field)
+    if meta is None:
+        raise WireError(f"no field {part_field} in the message")
     return meta, payload
 
 

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from gradps import wire
 from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
 from gradps.codecs import CodecError, decode_part, decode_summand, encode_part
-from gradps.codecs.base import check_finite
+from gradps.codecs.base import require_finite
 from gradps.device import resolve_device
 from gradps.shared_memory import NAME, Segment, SegmentError, aligned
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
@@ -34,19 +34,26 @@ _MAX_SEGMENTS_PER_WORKER = 4
 
 
 def _unpack(message, request_type, part_field: int, context: grpc.ServicerContext):
-    """(request, part, payload) of one streamed message with a TensorPart.
+    """(request, [(part, payload), ...]) of one streamed message with TensorParts: the one in
+    `part_field`, if any, then the repeated `parts`.
 
-    Registered raw (see add_shard_servicer), a message arrives as bytes and the part's payload is
-    viewed in place rather than copied out of a parsed message; parsed, the payload is read once
+    Registered raw (see add_shard_servicer), a message arrives as bytes and the first part's
+    payload is viewed in place rather than copied out of a parsed message (the repeated parts are
+    small: their payloads, if any, lie in shared memory); parsed, each payload is read once
     (every read of a protobuf bytes field copies it).
     """
     if isinstance(message, bytes):
         try:
             rest, part, payload = wire.split_message(message, part_field)
-            return request_type.FromString(rest), part, payload
+            request = request_type.FromString(rest)
         except (wire.WireError, DecodeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {e}")
-    return message, message.part, message.part.payload
+        first = [(part, payload)] if part is not None else []
+    else:
+        request = message
+        first = [(message.part, message.part.payload)] if message.HasField("part") else []
+    repeated = getattr(request, "parts", ())
+    return request, first + [(p, p.payload) for p in repeated]
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
@@ -94,7 +101,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         run = None
         overwrite = False
         for message in request_iterator:
-            request, msg, payload = _unpack(message, shard_pb2.RegisterTensorsRequest, _REGISTER_PART_FIELD, context)
+            request, parts = _unpack(message, shard_pb2.RegisterTensorsRequest, _REGISTER_PART_FIELD, context)
+            if len(parts) != 1:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a RegisterTensorsRequest carries one part")
+            ((msg, payload),) = parts
             overwrite = overwrite or request.overwrite
             if run is None:
                 run, _ = self._run(request.run_id, context)
@@ -146,8 +156,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         # by part as they are sent, each at the version its response reports: the first part
         # leaves before the last is copied, and no pull holds a copy of every part. Anything else
         # a rule serves (a reduced gradient, ...) is copied at once, under the lock that found
-        # it ready.
-        snapshot: list[tuple[Part, object]] = []
+        # it ready. Parts written into the worker's shared region leave together, in one message.
+        snapshot: list[tuple[Part, tuple[tensor_pb2.TensorPart, wire.Buffer] | None]] = []
         with run.cond:
             try:
                 if not run.cond.wait_for(lambda: rule.pull_ready(parts, request), timeout=wait_s):
@@ -161,17 +171,25 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             for p in parts:
                 values = rule.pull_values(p, request)
                 live = values.data_ptr() == p.values.data_ptr()  # the weights (Part.values is a new view)
-                snapshot.append((p, None if live else _pull_message(p, values, request.codec, raw, into)))
+                snapshot.append((p, None if live else _pull_part(p, values, request.codec, into)))
+        shared: list[tensor_pb2.TensorPart] = []
         for p, early in snapshot:
             if into is not None and not context.is_active():
                 return  # cancelled: the worker may have reused its area for its next pull
             if early is None:
                 with run.cond:
-                    early = _pull_message(p, p.values, request.codec, raw, into)
-            message, nbytes = early
+                    early = _pull_part(p, p.values, request.codec, into)
+            meta, payload = early
             with run.cond:
-                run.bytes_pulled += nbytes
-            yield message
+                run.bytes_pulled += meta.shared.length if meta.HasField("shared") else len(payload)
+            if meta.HasField("shared"):
+                shared.append(meta)
+            else:
+                yield _pull_response(meta, payload, raw)
+        if shared:
+            response = shard_pb2.PullResponse()
+            response.parts.extend(shared)
+            yield response.SerializeToString() if raw else response
 
     def Push(self, request_iterator, context):
         run = None
@@ -181,7 +199,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         header = None
         # Validate and decode the whole push before touching any state: a bad part changes nothing.
         for message in request_iterator:
-            request, msg, payload = _unpack(message, shard_pb2.PushRequest, _PUSH_PART_FIELD, context)
+            request, parts = _unpack(message, shard_pb2.PushRequest, _PUSH_PART_FIELD, context)
             if run is None:
                 run, rule = self._run(request.run_id, context)
                 header = (request.run_id, request.worker_id, request.step)
@@ -191,24 +209,26 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "all parts of a push need the same run, worker and step"
                 )
-            part = self._part(run, msg, context)
-            if part.key in grads:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice")
-            if msg.HasField("shared"):
-                if len(payload):
-                    context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index} has a payload and a shared one"
-                    )
-                segment = self._segment(run, request.worker_id, msg.shared.segment, context)
-                payload = _region(segment, msg.shared.offset, msg.shared.length, context)
-            # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
-            try:
-                grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
-            except CodecError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gradient of {msg.name}/{msg.index}: {e}")
-            versions[part.key] = msg.version
-            nbytes += len(payload)
-            del payload, msg, request, message  # the received bytes are dead weight once decoded
+            for msg, payload in parts:
+                part = self._part(run, msg, context)
+                if part.key in grads:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice")
+                if msg.HasField("shared"):
+                    if len(payload):
+                        context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"part {msg.name}/{msg.index} has a payload and a shared one",
+                        )
+                    segment = self._segment(run, request.worker_id, msg.shared.segment, context)
+                    payload = _region(segment, msg.shared.offset, msg.shared.length, context)
+                # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
+                try:
+                    grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
+                except CodecError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gradient of {msg.name}/{msg.index}: {e}")
+                versions[part.key] = msg.version
+                nbytes += len(payload)
+            del payload, msg, parts, request, message  # the received bytes are dead weight once decoded
         if run is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
         _, worker_id, step = header
@@ -365,33 +385,38 @@ class _RegionWriter:
         return region
 
 
-def _pull_message(
-    part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams, raw: bool, into: _RegionWriter | None
-) -> tuple[bytes | shard_pb2.PullResponse, int]:
-    """A PullResponse of `values` as the part's current version (serialized when `raw`) and its
-    payload size. For `none` the values are copied once: into the worker's shared region when it
-    fits, else into the message (raw) or its payload."""
+def _pull_part(
+    part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams, into: _RegionWriter | None
+) -> tuple[tensor_pb2.TensorPart, wire.Buffer]:
+    """`values` as the part's current version: its metadata and payload, or, when the worker's
+    shared region has room, its metadata pointing there and no payload. For `none` the values are
+    copied once (into the region, or later into the message)."""
     values = values.cpu()
-    if raw and codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
-        check_finite(values, "none: values to encode")  # what the none codec checks
+    if codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
+        require_finite(values, "none: values to encode")  # what the none codec checks
         payload, lz4 = memoryview(values.numpy()).cast("B"), False
     else:
         payload, lz4 = encode_part(values, codec, lz4_threshold=None)
+    meta = tensor_pb2.TensorPart(
+        name=part.key[0], index=part.key[1], offset=part.offset, count=part.count, dtype=tensor_pb2.DTYPE_FLOAT32
+    )
+    meta.codec.CopyFrom(codec)
+    meta.version, meta.lz4 = part.version, lz4
+    if into is not None and (region := into.put(payload)) is not None:
+        meta.shared.CopyFrom(region)
+        payload = b""
+    return meta, payload
+
+
+def _pull_response(meta: tensor_pb2.TensorPart, payload: wire.Buffer, raw: bool) -> bytes | shard_pb2.PullResponse:
+    """A PullResponse of one part: serialized with the payload's one copy when `raw`."""
+    if raw:
+        return b"".join(wire.part_message(b"", _PULL_PART_FIELD, meta, payload))
     # Fields set in place: PullResponse(part=TensorPart(...)) costs ~1 ms per MiB of payload.
     response = shard_pb2.PullResponse()
-    out = response.part
-    out.name, out.index, out.offset, out.count = part.key[0], part.key[1], part.offset, part.count
-    out.dtype = tensor_pb2.DTYPE_FLOAT32
-    out.codec.CopyFrom(codec)
-    out.version, out.lz4 = part.version, lz4
-    size = len(payload)
-    if into is not None and (region := into.put(payload)) is not None:
-        out.shared.CopyFrom(region)
-        payload = b""
-    if raw:
-        return b"".join(wire.part_message(b"", _PULL_PART_FIELD, out, payload)), size
-    out.payload = payload
-    return response, size
+    response.part.CopyFrom(meta)
+    response.part.payload = bytes(payload)
+    return response
 
 
 def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:

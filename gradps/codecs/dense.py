@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from gradps.codecs.base import Codec, CodecError, check_finite, check_length, empty_values, tensor_bytes, view_as
+from gradps.codecs.base import Codec, CodecError, check_length, empty_values, require_finite, tensor_bytes, view_as
 
 
 class DenseFloatCodec(Codec):
@@ -32,5 +32,5 @@ class DenseFloatCodec(Codec):
         # Move the raw (possibly narrower) buffer first, widen on the device; copy_ also detaches
         # the result from the payload's memory.
         out = empty_values(count, device).copy_(view_as(payload, self.wire_dtype, 0, count).to(device))
-        check_finite(out, f"{self.name}: decoded values")
+        require_finite(out, f"{self.name}: decoded values")
         return out

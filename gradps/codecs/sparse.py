@@ -20,8 +20,8 @@ from gradps.codecs.base import (
     CodecError,
     byte_view,
     check_count,
-    check_finite,
     check_out,
+    require_finite,
     view_as,
     zero_values,
 )
@@ -127,7 +127,7 @@ class SparseCodec(Codec):
             last = int(indices[-1])
             if last >= count:
                 raise CodecError(f"{self.name}: index {last} out of range for {count} values")
-            check_finite(values, f"{self.name}: values")
+            require_finite(values, f"{self.name}: values")
         return indices, values
 
     def add_decoded(self, payload: Buffer, out: torch.Tensor, alpha: float = 1.0) -> None:

@@ -127,22 +127,26 @@ class PullRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("part",)
+    __slots__ = ("part", "parts")
     PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     part: _tensor_pb2.TensorPart
-    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
+    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "part")
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
     part: _tensor_pb2.TensorPart
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("parts", "staleness", "applied")
