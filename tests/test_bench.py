@@ -19,6 +19,7 @@ _FIELDS = (
     "shards",
     "workers",
     "codec",
+    "transport",
     "seconds",
     "gbps",
     "tcp_gbps",
@@ -51,8 +52,15 @@ def test_transport_bench_writes_complete_rows(tmp_path):
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
-    ops = {(r["op"], r["codec"]) for r in rows}
-    assert ops == {("push_pull", "none"), ("push_pull", "int8"), ("sync_step", "none"), ("sync_step", "int8")}
+    ops = sorted((r["op"], r["codec"], r["transport"]) for r in rows)
+    # Every op, codec and transport once; a shm row is only written when every shard mapped the
+    # bench workers' segments (the workers fail otherwise).
+    assert ops == sorted(
+        (op, codec, transport)
+        for op in ("push_pull", "sync_step")
+        for codec in ("none", "int8")
+        for transport in ("shm", "grpc")
+    )
     for row in rows:
         assert set(_FIELDS) <= set(row), row
         assert row["size_mib"] == 0.25 and row["shards"] == 1 and row["workers"] == 2

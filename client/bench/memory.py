@@ -1,5 +1,12 @@
 """`gradps bench memory`: a shard's peak memory while workers push and pull, against what it must
-hold: its parameters, their optimizer state and one in-flight push per worker."""
+hold: its parameters, their optimizer state and one in-flight push per worker.
+
+With shared-memory payloads the shard maps each worker's segment (gradps/shared_memory.py). Those
+pages are the worker's, allocated once on the host, but they count in the shard's resident set
+(and its VmHWM) once touched; they are reported apart, as `shared_mib`, and left out of `used`.
+Every page of a segment is touched in the first iteration and stays mapped until the run ends, so
+the shared resident set read after the last round is the one that was there at the peak.
+"""
 
 from __future__ import annotations
 
@@ -29,10 +36,14 @@ class MemoryRow:
     size_mib: float
     workers: int
     optimizer: str
+    # Where payloads travel: shm (shared memory) or grpc (in the messages).
+    transport: str
     # Resident memory of the shard process after start-up, and its peak (VmHWM) over the run.
     baseline_mib: float
     peak_mib: float
-    # peak - baseline, and what the shard must hold: params + optimizer state + workers * push.
+    # The workers' shared segments resident in the shard at the end of the run (shm only).
+    shared_mib: float
+    # peak - shared - baseline, and what the shard must hold: params + optimizer state + workers * push.
     used_mib: float
     expected_mib: float
     ratio: float
@@ -53,13 +64,25 @@ def _reset_peak(pid: int) -> None:
 
 
 def _run(
-    bench_workers: BenchWorkers, address: str, op: str, size_mib: float, workers: int, optimizer: str, rounds: int
-):
+    bench_workers: BenchWorkers,
+    address: str,
+    op: str,
+    size_mib: float,
+    workers: int,
+    optimizer: str,
+    transport: str,
+    rounds: int,
+    shard_pid: int,
+) -> int:
+    """Run the job; the shard's shared resident KiB after the last round (segments still mapped)."""
     run_id = submit_run(address, op, workers, "none", PART_SIZE, 2 + rounds + 1, optimizer)
-    bench_workers.start(Job(run_id, op, size_mib, "none", warmup=2, rounds=rounds, iters=1), workers)
+    job = Job(run_id, op, size_mib, "none", warmup=2, rounds=rounds, iters=1, transport=transport)
+    bench_workers.start(job, workers)
     for _ in range(rounds):
         bench_workers.round()
+    shared = _status_kib(shard_pid, "RssShmem")
     bench_workers.finish()
+    return shared
 
 
 def measure_memory(
@@ -67,30 +90,36 @@ def measure_memory(
     workers: int,
     optimizer: str,
     op: str = "push_pull",
+    transport: str = "shm",
     rounds: int = 3,
     console: Console | None = None,
 ) -> MemoryRow:
     """Peak memory of the one shard of a fresh cluster while `workers` push and pull `size_mib`."""
     log = console.log if console else (lambda *a, **k: None)
-    log(f"memory: {op} {size_mib:g} MiB, {workers} workers, {optimizer}")
+    log(f"memory: {op} {size_mib:g} MiB, {workers} workers, {optimizer}, {transport}")
     with LocalCluster(shards=1, workers=0) as cluster, BenchWorkers(cluster.address, workers) as bench_workers:
         pid = cluster.shards[0].pid
         # A tiny run first: the shard's first run loads code (torch.optim's first optimizer alone
         # is ~70 MiB), which is start-up, not a cost of the parameters.
-        _run(bench_workers, cluster.address, op, 0.01, workers, optimizer, rounds=1)
+        _run(bench_workers, cluster.address, op, 0.01, workers, optimizer, transport, 1, pid)
         _reset_peak(pid)
-        baseline = _status_kib(pid, "VmRSS")
-        _run(bench_workers, cluster.address, op, size_mib, workers, optimizer, rounds)
+        baseline = _status_kib(pid, "VmRSS") - _status_kib(pid, "RssShmem")
+        shared = _run(bench_workers, cluster.address, op, size_mib, workers, optimizer, transport, rounds, pid)
         peak = _status_kib(pid, "VmHWM")
-    used = (peak - baseline) / 1024
+    used = (peak - shared - baseline) / 1024
     expected = size_mib * (1 + _STATE[optimizer]) + workers * size_mib
-    return MemoryRow(op, size_mib, workers, optimizer, baseline / 1024, peak / 1024, used, expected, used / expected)
+    return MemoryRow(
+        op, size_mib, workers, optimizer, transport, baseline / 1024, peak / 1024, shared / 1024, used, expected,
+        used / expected,
+    )  # fmt: skip
 
 
 def print_rows(rows: list[MemoryRow], console: Console) -> None:
     table = Table(
-        "op", "MiB", "workers", "optimizer", "baseline MiB", "peak MiB", "used MiB", "expected MiB", "used / expected",
-        title="gradps bench memory: shard peak (VmHWM) - start-up RSS vs params + optimizer state + workers x push",
+        "op", "MiB", "workers", "optimizer", "via", "baseline MiB", "peak MiB", "shared MiB", "used MiB",
+        "expected MiB", "used / expected",
+        title="gradps bench memory: shard peak (VmHWM) - workers' shared segments - start-up RSS\n"
+        "vs params + optimizer state + workers x push",
     )  # fmt: skip
     for r in rows:
         table.add_row(
@@ -98,8 +127,10 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
             f"{r.size_mib:g}",
             str(r.workers),
             r.optimizer,
+            r.transport,
             f"{r.baseline_mib:.0f}",
             f"{r.peak_mib:.0f}",
+            f"{r.shared_mib:.0f}",
             f"{r.used_mib:.0f}",
             f"{r.expected_mib:.0f}",
             f"{r.ratio:.2f}",
@@ -112,8 +143,9 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
 @click.option("--workers", "workers_list", default="1,2", help="Worker counts, comma-separated.")
 @click.option("--optimizer", "optimizers", default="sgd,adam", help="sgd and/or adam, comma-separated.")
 @click.option("--op", "ops", default="push_pull,sync_step", help="push_pull (asgd) and/or sync_step (sync).")
+@click.option("--transport", "transports", default="shm,grpc", help="shm and/or grpc: where payloads travel.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
-def memory(size_mib, workers_list, optimizers, ops, json_path) -> None:
+def memory(size_mib, workers_list, optimizers, ops, transports, json_path) -> None:
     """Shard peak memory vs params + optimizer state + one in-flight push per worker."""
     try:
         worker_counts = [int(w) for w in workers_list.split(",")]
@@ -125,12 +157,16 @@ def memory(size_mib, workers_list, optimizers, ops, json_path) -> None:
         raise click.BadParameter(f"unknown optimizer {bad[0]!r}", param_hint="--optimizer")
     if bad := [o for o in op_names if o not in ("push_pull", "sync_step")]:
         raise click.BadParameter(f"unknown op {bad[0]!r}", param_hint="--op")
+    transport_names = [t.strip() for t in transports.split(",")]
+    if bad := [t for t in transport_names if t not in ("shm", "grpc")]:
+        raise click.BadParameter(f"unknown transport {bad[0]!r}: expected shm or grpc", param_hint="--transport")
     console = Console(stderr=True)
     rows = [
-        measure_memory(size_mib, w, opt, op, console=console)
+        measure_memory(size_mib, w, opt, op, transport, console=console)
         for op in op_names
         for opt in opt_names
         for w in worker_counts
+        for transport in transport_names
         if not (op == "sync_step" and w < 2)
     ]
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
