@@ -121,6 +121,12 @@ class ParameterClient:
             for shard, parts in enumerate(self._parts_by_shard):
                 if parts:
                     self._areas[shard] = self._map_segment(shard)
+        _LOGGER.info(
+            "run %s: payloads to shards %s through shared memory, to %s inline",
+            run_id,
+            self.shared_shards,
+            [s for s, parts in enumerate(self._parts_by_shard) if parts and self._areas[s] is None],
+        )
 
     @property
     def shared_shards(self) -> list[int]:

@@ -56,7 +56,13 @@ class Slowdown:
             time.sleep(extra)
 
 
-def train(session: WorkerSession, assignment: Assignment, device: torch.device, stop: threading.Event) -> None:
+def train(
+    session: WorkerSession,
+    assignment: Assignment,
+    device: torch.device,
+    stop: threading.Event,
+    shared_memory: bool = True,
+) -> None:
     """Train one assigned run to the end (or until it is stopped, or the service shuts down)."""
     spec = assignment.spec
     dataset = load_dataset(spec.dataset, spec.dataset_size, spec.seed)
@@ -71,6 +77,7 @@ def train(session: WorkerSession, assignment: Assignment, device: torch.device, 
         steps,
         evaluate=lambda m: evaluate(m, dataset),
         report_every=max(1, min(20, steps // 50)),
+        shared_memory=shared_memory,
     )
     slowdown = Slowdown(assignment)
     try:
@@ -100,7 +107,9 @@ def train(session: WorkerSession, assignment: Assignment, device: torch.device, 
         trainer.fail(f"{e.code().name}: {e.details()}")
 
 
-def serve(coordinator: str, device: torch.device, name: str | None, stop: threading.Event) -> None:
+def serve(
+    coordinator: str, device: torch.device, name: str | None, stop: threading.Event, shared_memory: bool = True
+) -> None:
     """Join and train assignments until `stop` is set."""
     session = WorkerSession(coordinator, name=name, device=str(device))
     lost = False
@@ -123,7 +132,7 @@ def serve(coordinator: str, device: torch.device, name: str | None, stop: thread
                 continue
             _LOGGER.info("run %s: rank %d of %d", assignment.run_id, assignment.rank, assignment.world)
             try:
-                train(session, assignment, device, stop)
+                train(session, assignment, device, stop, shared_memory)
             except Exception as e:  # a broken model or dataset fails the run, not the service
                 _LOGGER.exception("run %s failed", assignment.run_id)
                 try:
@@ -144,8 +153,14 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
 @click.option("--device", envvar="GRADPS_DEVICE", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--name", envvar="GRADPS_WORKER_NAME", default=None, help="Name shown in `gradps status`.")
 @click.option("--threads", envvar="GRADPS_THREADS", default=1, type=int, help="torch intra-op threads.")
+@click.option(
+    "--shared-memory/--no-shared-memory",
+    envvar="GRADPS_SHARED_MEMORY",
+    default=True,
+    help="Move payloads to shards on this host through /dev/shm instead of the socket.",
+)
 @click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
-def main(coordinator: str, device: str, name: str | None, threads: int, log_level: str) -> None:
+def main(coordinator: str, device: str, name: str | None, threads: int, shared_memory: bool, log_level: str) -> None:
     """gradps worker: joins the coordinator and trains the runs assigned to it."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
     try:
@@ -157,7 +172,7 @@ def main(coordinator: str, device: str, name: str | None, threads: int, log_leve
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve(coordinator, torch_device, name, stop)
+        serve(coordinator, torch_device, name, stop, shared_memory)
     except ConnectionError as e:
         raise click.ClickException(str(e)) from None
 

@@ -47,7 +47,10 @@ class Trainer:
         total_steps: int,
         evaluate: Evaluate | None = None,
         report_every: int = 10,
+        shared_memory: bool = True,
     ) -> None:
+        """`shared_memory`: payloads to shards on this host go through shared memory (see
+        ParameterClient)."""
         self.model = model
         self.session = session
         self.assignment = assignment
@@ -59,7 +62,12 @@ class Trainer:
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         placement = session.placement(assignment.run_id, tensor_specs(self.params), total_steps)
         self.client = ParameterClient(
-            placement, assignment.run_id, session.worker_id, self.spec.codec, self.spec.pull_codec
+            placement,
+            assignment.run_id,
+            session.worker_id,
+            self.spec.codec,
+            self.spec.pull_codec,
+            shared_memory=shared_memory,
         )
         self.scheme = WORKER_SCHEMES[self.spec.scheme](self)
         self.steps_done = 0

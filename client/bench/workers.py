@@ -58,8 +58,9 @@ def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queu
     client = ParameterClient(
         placement, job.run_id, session.worker_id, parse_codec(job.codec), none, shared_memory=shared
     )
-    if shared and len(client.shared_shards) != len(placement.shards):
-        raise RuntimeError(f"shared memory with shards {client.shared_shards} only, of {len(placement.shards)}")
+    owners = sorted({p.shard for p in placement.parts})
+    if shared and client.shared_shards != owners:
+        raise RuntimeError(f"shared memory with shards {client.shared_shards} only, of {owners}")
     step = 0
 
     def once() -> None:
