@@ -18,7 +18,7 @@ from gradps.channel import open_channel
 from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part
 from gradps.codecs.base import require_finite
 from gradps.placement import ITEMSIZE, PartKey
-from gradps.shared_memory import ALIGN, Segment, SegmentError, aligned
+from gradps.shared_memory import ALIGN, Segment, SegmentError, aligned, nbytes
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
@@ -251,7 +251,9 @@ class ParameterClient:
 
     def push(self, grads: dict[str, torch.Tensor], step: int) -> int:
         """Push one gradient (compressed with the run's codec); returns the max staleness."""
-        flat = {name: g.detach().reshape(-1).float().cpu() for name, g in grads.items()}
+        # On the gradients' device: a lossless part goes from there into shared memory in one copy.
+        flat = {name: g.detach().reshape(-1).float() for name, g in grads.items()}
+        lossless = self.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED)
         start = time.perf_counter()
 
         header = shard_pb2.PushRequest(run_id=self.run_id, worker_id=self.worker_id, step=step).SerializeToString()
@@ -270,14 +272,19 @@ class ParameterClient:
                 batch = shard_pb2.PushRequest.FromString(header)
                 for p in parts:
                     began = time.perf_counter()
-                    payload, lz4 = self._encode(flat[p.name][p.offset : p.offset + p.count], (p.name, p.index))
+                    values = flat[p.name][p.offset : p.offset + p.count]
+                    if lossless and area is not None and cursor + 4 * p.count <= area.end:
+                        require_finite(values, "none: values to encode")  # what `_encode` checks
+                        payload, lz4 = values, False  # copied once, from its device into the segment
+                    else:
+                        payload, lz4 = self._encode(values.cpu(), (p.name, p.index))
                     meta = self._part_message(p, b"", lz4, codec=self.codec)
-                    size = len(payload)
+                    size = nbytes(payload)
                     sizes[0] += size
                     if area is not None and cursor + size <= area.end:
-                        # The payload's one copy goes into the segment, where the shard reads it;
-                        # the parts placed there leave together, in one message.
-                        area.segment.region(cursor, size)[:] = payload
+                        # The payload goes into the segment, where the shard reads it; the parts
+                        # placed there leave together, in one message.
+                        area.segment.write(cursor, payload)
                         shared = meta.shared
                         shared.segment, shared.offset, shared.length = area.segment.name, cursor, size
                         cursor += aligned(size)

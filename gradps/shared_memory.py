@@ -116,3 +116,16 @@ class Segment:
         """`count` float32 values at `offset`, as a tensor viewing the segment."""
         self.check(offset, 4 * count)
         return torch.from_numpy(self._bytes[offset : offset + 4 * count].view(np.float32))
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
+        """Copy `data` to `offset`: bytes, or float32 values on any device (one copy, straight
+        from a GPU's memory), checked like `region`."""
+        if isinstance(data, torch.Tensor):
+            self.floats(offset, data.numel()).copy_(data)
+        else:
+            self.region(offset, len(data))[:] = data
+
+
+def nbytes(data: bytes | bytearray | memoryview | torch.Tensor) -> int:
+    """Bytes `Segment.write` copies for `data`."""
+    return 4 * data.numel() if isinstance(data, torch.Tensor) else len(data)

@@ -18,7 +18,7 @@ from gradps.channel import add_health, bind, make_server, open_channel, serve_un
 from gradps.codecs import CodecError, decode_part, decode_summand, encode_part
 from gradps.codecs.base import require_finite
 from gradps.device import resolve_device
-from gradps.shared_memory import NAME, Segment, SegmentError, aligned
+from gradps.shared_memory import NAME, Segment, SegmentError, aligned, nbytes
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
 from ps_server.schemes import RULES, ShardRule
@@ -374,12 +374,13 @@ class _RegionWriter:
         self.cursor = offset
         self.end = offset + length
 
-    def put(self, payload: wire.Buffer) -> tensor_pb2.SharedRegion | None:
-        """Copy `payload` in and say where it lies; None when it does not fit (it goes inline)."""
-        size = len(payload)
+    def put(self, payload: wire.Buffer | torch.Tensor) -> tensor_pb2.SharedRegion | None:
+        """Copy `payload` (bytes, or float32 values on any device) in and say where it lies; None
+        when it does not fit (it goes inline)."""
+        size = nbytes(payload)
         if self.cursor + size > self.end:
             return None
-        self.segment.region(self.cursor, size)[:] = payload
+        self.segment.write(self.cursor, payload)
         region = tensor_pb2.SharedRegion(segment=self.segment.name, offset=self.cursor, length=size)
         self.cursor += aligned(size)
         return region
@@ -391,17 +392,20 @@ def _pull_part(
     """`values` as the part's current version: its metadata and payload, or, when the worker's
     shared region has room, its metadata pointing there and no payload. For `none` the values are
     copied once (into the region, or later into the message)."""
-    values = values.cpu()
-    if codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
-        require_finite(values, "none: values to encode")  # what the none codec checks
-        payload, lz4 = memoryview(values.numpy()).cast("B"), False
-    else:
-        payload, lz4 = encode_part(values, codec, lz4_threshold=None)
     meta = tensor_pb2.TensorPart(
         name=part.key[0], index=part.key[1], offset=part.offset, count=part.count, dtype=tensor_pb2.DTYPE_FLOAT32
     )
     meta.codec.CopyFrom(codec)
-    meta.version, meta.lz4 = part.version, lz4
+    meta.version = part.version
+    if codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
+        require_finite(values, "none: values to encode")  # what the none codec checks
+        if into is not None and (region := into.put(values)) is not None:
+            meta.shared.CopyFrom(region)
+            return meta, b""
+        payload, lz4 = memoryview(values.cpu().numpy()).cast("B"), False
+    else:
+        payload, lz4 = encode_part(values.cpu(), codec, lz4_threshold=None)
+    meta.lz4 = lz4
     if into is not None and (region := into.put(payload)) is not None:
         meta.shared.CopyFrom(region)
         payload = b""

@@ -47,7 +47,9 @@ def test_decode_on_cuda_matches_cpu(codec):
     torch.testing.assert_close(on_cuda.cpu(), on_cpu, rtol=0, atol=0)
 
 
-def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer():
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
+def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer(shared_memory):
+    """Gradients and weights on the worker's GPU too: shared memory takes them device to segment."""
     from client.local_cluster import LocalCluster
     from client.sdk import Client
     from gpu_worker.ps_client import ParameterClient, tensor_specs
@@ -65,18 +67,22 @@ def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer():
         try:
             assert session.wait_for_assignment(wait_s=10).run_id == run_id
             placement = session.placement(run_id, tensor_specs(tensors), total_steps=10)
-            ps = ParameterClient(placement, run_id, session.worker_id, none, none, timeout_s=30)
+            ps = ParameterClient(
+                placement, run_id, session.worker_id, none, none, timeout_s=30, shared_memory=shared_memory
+            )
+            assert ps.shared_shards == ([0] if shared_memory else [])
             ps.register(tensors)
             reference = {n: torch.nn.Parameter(t.clone()) for n, t in tensors.items()}
             opt = torch.optim.Adam(reference.values(), lr=spec.lr)
             for step in range(3):
                 grads = {n: torch.randn_like(t) for n, t in tensors.items()}
-                ps.push(grads, step)
+                ps.push({n: g.cuda() for n, g in grads.items()}, step)
                 for n, p in reference.items():
                     p.grad = grads[n]
                 opt.step()
-            pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
-            ps.pull(pulled)
+            on_gpu = {n: torch.zeros_like(t, device="cuda") for n, t in tensors.items()}
+            ps.pull(on_gpu)
+            pulled = {n: t.cpu() for n, t in on_gpu.items()}
             ps.close()
         finally:
             session.close()
