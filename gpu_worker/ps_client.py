@@ -175,6 +175,9 @@ class ParameterClient:
         self._push_pool.shutdown(wait=False)
         for channel in self._channels:
             channel.close()
+        # Unmapped when the last view goes (at once, unless a call is still running); the shards
+        # drop theirs when the run closes.
+        self._areas = [None] * len(self._areas)
 
     def _each_shard(self, fn, pool: ThreadPoolExecutor | None = None) -> list:
         """Run fn(shard_index) for every shard that owns parts, in parallel."""
