@@ -148,7 +148,8 @@ class ParameterClient:
             request = shard_pb2.MapSegmentRequest(
                 run_id=self.run_id, worker_id=self.worker_id, segment=segment.name, token=segment.token
             )
-            self._stubs[shard].MapSegment(request, timeout=self.timeout_s)
+            # A short deadline: until the shard answers, the segment has a name that could leak.
+            self._stubs[shard].MapSegment(request, timeout=min(self.timeout_s, 10.0))
         except grpc.RpcError as e:
             _LOGGER.info("shard %d: payloads inline (%s: %s)", shard, e.code().name, e.details())
             return None

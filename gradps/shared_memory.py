@@ -33,6 +33,37 @@ class SegmentError(Exception):
     """A segment that cannot be created, opened or addressed as asked."""
 
 
+def _pid_namespace() -> int:
+    """This process's PID namespace (0 where /proc does not say): containers sharing /dev/shm
+    number their processes apart, so a creator's pid means something only within its namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def name_prefix(pid: int | None = None) -> str:
+    """Names of the segments that process `pid` (this one by default) creates start with this."""
+    return f"gradps-{_pid_namespace()}-{os.getpid() if pid is None else pid}-"
+
+
+def remove_orphans() -> None:
+    """Unlink the segments of creators in this PID namespace that died between creating one and
+    its shard mapping it (the only window in which a segment has a name). Mappings of a removed
+    name stay valid."""
+    namespace = f"gradps-{_pid_namespace()}-"
+    for path in SHM_DIR.glob(f"{namespace}*-*"):
+        pid = path.name[len(namespace) :].split("-")[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 def aligned(n: int) -> int:
     """`n` rounded up to a multiple of ALIGN."""
     return -(-n // ALIGN) * ALIGN
@@ -52,7 +83,8 @@ class Segment:
     def create(cls, size: int) -> Segment:
         """A new segment with room for `size` bytes of regions after its token, its pages
         allocated now (a first touch in the middle of a push would cost a page fault per 4 KiB)."""
-        name = f"gradps-{os.getpid()}-{secrets.token_hex(8)}"
+        remove_orphans()
+        name = f"{name_prefix()}{secrets.token_hex(8)}"
         total = ALIGN + aligned(size)
         try:
             fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -4,7 +4,8 @@ kind of bad region a client could name."""
 
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -20,7 +21,7 @@ from tests.joined_run import NONE, join_run, leave
 
 
 def _own_segments() -> list[str]:
-    return sorted(p.name for p in shared_memory.SHM_DIR.glob(f"gradps-{os.getpid()}-*"))
+    return sorted(p.name for p in shared_memory.SHM_DIR.glob(f"{shared_memory.name_prefix()}*"))
 
 
 def test_a_segment_is_shared_by_token_and_checks_its_regions():
@@ -44,6 +45,21 @@ def test_a_segment_is_shared_by_token_and_checks_its_regions():
     for name in ["gradps-", "other-1", "gradps-../../etc/passwd", "gradps-" + "x" * 101]:
         with pytest.raises(SegmentError, match="bad segment name"):
             Segment.open(name, created.token)
+
+
+def test_segments_left_by_dead_creators_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_memory, "SHM_DIR", tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"{shared_memory.name_prefix(dead.pid)}0123456789abcdef"
+    alive = tmp_path / f"{shared_memory.name_prefix(1)}0123456789abcdef"  # init: alive (and not ours)
+    # Another PID namespace's (another container's): its pids say nothing here.
+    elsewhere = tmp_path / f"gradps-1-{dead.pid}-0123456789abcdef"
+    for path in (orphan, alive, elsewhere):
+        path.write_bytes(bytes(128))
+    segment = Segment.create(64)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, elsewhere.name, segment.name])
+    segment.unlink()
 
 
 def _train(address: str, codec: str, shared: bool, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[int]]:
