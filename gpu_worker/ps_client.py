@@ -230,21 +230,22 @@ class ParameterClient:
                 shard_request.CopyFrom(request)
                 into = shard_request.into
                 into.segment, into.offset, into.length = area.segment.name, area.offset, area.length
-            nbytes, decode_s = 0, 0.0
+            received, decode_s = 0, 0.0
             for message in self._pull_calls[shard](shard_request, timeout=self.timeout_s + 5):
                 began = time.perf_counter()
                 rest, first, payload = wire.split_message(message, _PULL_PART_FIELD)
                 parts = [(first, payload)] if first is not None else []
                 # The parts the shard wrote into the shared area arrive together, in `parts`.
-                parts += [(p, _shared_payload(area, p.shared)) for p in shard_pb2.PullResponse.FromString(rest).parts]
+                for p in shard_pb2.PullResponse.FromString(rest).parts:
+                    parts.append((p, _shared_payload(area, p.shared) if p.HasField("shared") else p.payload))
                 for part, payload in parts:
                     target = flat[part.name][part.offset : part.offset + part.count]
                     copy_part_into(target, part, payload)
                     if not request.gradient:  # a weight's version: what the next push was computed on
                         self.versions[(part.name, part.index)] = part.version
-                    nbytes += len(payload)
+                    received += len(payload)
                 decode_s += time.perf_counter() - began
-            return nbytes, decode_s
+            return received, decode_s
 
         results = self._each_shard(fetch)
         self.traffic.bytes_pulled += sum(n for n, _ in results)

@@ -64,6 +64,12 @@ def remove_orphans() -> None:
             pass  # alive, someone else's
 
 
+def check_name(name: str) -> None:
+    """SegmentError unless `name` is a segment's name: no path, nothing but gradps' own files."""
+    if not NAME.fullmatch(name):
+        raise SegmentError(f"bad segment name {name!r}: expected 'gradps-' and 1-100 of [A-Za-z0-9_-]")
+
+
 def aligned(n: int) -> int:
     """`n` rounded up to a multiple of ALIGN."""
     return -(-n // ALIGN) * ALIGN
@@ -105,8 +111,7 @@ class Segment:
     @classmethod
     def open(cls, name: str, token: bytes) -> Segment:
         """Map the segment another process created, checking that its first bytes are `token`."""
-        if not NAME.fullmatch(name):
-            raise SegmentError(f"bad segment name {name!r}: expected 'gradps-' and 1-100 of [A-Za-z0-9_-]")
+        check_name(name)
         try:
             fd = os.open(SHM_DIR / name, os.O_RDWR)
         except OSError as e:

@@ -18,7 +18,7 @@ from gradps.channel import add_health, bind, make_server, open_channel, serve_un
 from gradps.codecs import CodecError, decode_part, decode_summand, encode_part
 from gradps.codecs.base import require_finite
 from gradps.device import resolve_device
-from gradps.shared_memory import NAME, Segment, SegmentError, aligned, nbytes
+from gradps.shared_memory import Segment, SegmentError, aligned, check_name, nbytes
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
 from ps_server.schemes import RULES, ShardRule
@@ -200,6 +200,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         # Validate and decode the whole push before touching any state: a bad part changes nothing.
         for message in request_iterator:
             request, parts = _unpack(message, shard_pb2.PushRequest, _PUSH_PART_FIELD, context)
+            if not parts:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a PushRequest without a part")
             if run is None:
                 run, rule = self._run(request.run_id, context)
                 header = (request.run_id, request.worker_id, request.step)
@@ -251,11 +253,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def MapSegment(self, request, context):
         run, _ = self._run(request.run_id, context)
-        if not NAME.fullmatch(request.segment):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"bad segment name {request.segment!r}: expected 'gradps-' and 1-100 of [A-Za-z0-9_-]",
-            )
+        try:
+            check_name(request.segment)
+        except SegmentError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             segment = Segment.open(request.segment, request.token)
         except SegmentError as e:

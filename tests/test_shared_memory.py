@@ -172,6 +172,8 @@ def test_bad_segments_and_regions_are_rejected_and_change_nothing(shards_only):
             rejected(lambda: push(region(other)), precondition, "not mapped for worker")
             rejected(lambda: push(region(segments[4])), precondition, "not mapped for worker")
             rejected(lambda: push(region(), payload=b"\0" * size), invalid, "a payload and a shared one")
+            empty = shard_pb2.PushRequest(run_id=run_id, worker_id=mine, step=0)
+            rejected(lambda: stub.Push(iter([empty])), invalid, "a PushRequest without a part")
             seg.floats(ALIGN + 4096, p.count).fill_(0.5)
             seg.floats(ALIGN + 4096, 1).fill_(float("nan"))
             rejected(lambda: push(region(offset=ALIGN + 4096)), invalid, "NaN")
