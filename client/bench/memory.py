@@ -19,7 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.workers import BenchWorkers, Job, submit_run
+from client.bench.workers import TRANSPORTS, BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 
 MiB = 1 << 20
@@ -143,7 +143,7 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
 @click.option("--workers", "workers_list", default="1,2", help="Worker counts, comma-separated.")
 @click.option("--optimizer", "optimizers", default="sgd,adam", help="sgd and/or adam, comma-separated.")
 @click.option("--op", "ops", default="push_pull,sync_step", help="push_pull (asgd) and/or sync_step (sync).")
-@click.option("--transport", "transports", default="shm,grpc", help="shm and/or grpc: where payloads travel.")
+@click.option("--transport", "transports", default=",".join(TRANSPORTS), help="shm and/or grpc: where payloads travel.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
 def memory(size_mib, workers_list, optimizers, ops, transports, json_path) -> None:
     """Shard peak memory vs params + optimizer state + one in-flight push per worker."""
@@ -158,7 +158,7 @@ def memory(size_mib, workers_list, optimizers, ops, transports, json_path) -> No
     if bad := [o for o in op_names if o not in ("push_pull", "sync_step")]:
         raise click.BadParameter(f"unknown op {bad[0]!r}", param_hint="--op")
     transport_names = [t.strip() for t in transports.split(",")]
-    if bad := [t for t in transport_names if t not in ("shm", "grpc")]:
+    if bad := [t for t in transport_names if t not in TRANSPORTS]:
         raise click.BadParameter(f"unknown transport {bad[0]!r}: expected shm or grpc", param_hint="--transport")
     console = Console(stderr=True)
     rows = [

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from client.bench.references import GlooReference, TcpReference
-from client.bench.workers import BenchWorkers, Job, submit_run
+from client.bench.workers import TRANSPORTS, BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 from gradps.codecs import parse_codec
 
@@ -67,7 +67,7 @@ def measure_transport(
     shards_list: list[int],
     workers_list: list[int],
     codecs: list[str],
-    transports: tuple[str, ...] = ("shm", "grpc"),
+    transports: tuple[str, ...] = TRANSPORTS,
     rounds: int = 5,
     warmup: int = 2,
     part_size: int = 4 * MiB,
@@ -222,7 +222,7 @@ def _codecs(ctx, param, value: str) -> list[str]:
 
 def _transports(ctx, param, value: str) -> tuple[str, ...]:
     items = _csv(str)(ctx, param, value)
-    unknown = [t for t in items if t not in ("shm", "grpc")]
+    unknown = [t for t in items if t not in TRANSPORTS]
     if unknown:
         raise click.BadParameter(f"unknown transport {unknown[0]!r}: expected shm or grpc")
     return tuple(items)
@@ -236,7 +236,7 @@ def _transports(ctx, param, value: str) -> tuple[str, ...]:
 @click.option(
     "--transport",
     "transports",
-    default="shm,grpc",
+    default=",".join(TRANSPORTS),
     callback=_transports,
     help="Where payloads travel: shm (shared memory, calls over gRPC), grpc (in the messages).",
 )

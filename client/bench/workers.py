@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 
 MiB = 1 << 20
+# Where a bench worker's payloads travel: shared memory (calls still over gRPC), or the messages.
+TRANSPORTS = ("shm", "grpc")
 
 
 @dataclass(frozen=True)
