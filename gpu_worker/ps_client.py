@@ -274,8 +274,12 @@ class ParameterClient:
             def messages(area: _Area | None) -> Iterator[bytes]:
                 nonlocal cursor
                 yield from list(sent)
-                batch = shard_pb2.PushRequest.FromString(header)
+                batch, batch_bytes = shard_pb2.PushRequest.FromString(header), 0
                 for p in parts:
+                    if batch_bytes >= wire.BATCH_BYTES:
+                        sent.append(batch.SerializeToString())
+                        yield sent[-1]
+                        batch, batch_bytes = shard_pb2.PushRequest.FromString(header), 0
                     began = time.perf_counter()
                     values = flat[p.name][p.offset : p.offset + p.count]
                     if lossless and area is not None and cursor + 4 * p.count <= area.end:
@@ -294,6 +298,13 @@ class ParameterClient:
                         shared.segment, shared.offset, shared.length = area.segment.name, cursor, size
                         cursor += aligned(size)
                         batch.parts.append(meta)
+                        batch_bytes += 64
+                        sizes[1] += time.perf_counter() - began
+                        continue
+                    if size <= wire.SMALL_PAYLOAD:
+                        meta.payload = bytes(payload)
+                        batch.parts.append(meta)
+                        batch_bytes += 64 + size
                         sizes[1] += time.perf_counter() - began
                         continue
                     message = b"".join(wire.part_message(header, _PUSH_PART_FIELD, meta, payload))

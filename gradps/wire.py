@@ -23,6 +23,11 @@ Buffer = bytes | bytearray | memoryview
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 # TensorPart.payload is field 7.
 _PAYLOAD_FIELD = 7
+# Parts whose payload lies in shared memory or is at most SMALL_PAYLOAD bytes travel together, in a
+# message's repeated `parts` (every streamed message costs grpcio a few thread hand-offs), up to
+# BATCH_BYTES per message; larger payloads travel one per message, framed by hand.
+SMALL_PAYLOAD = 256 << 10
+BATCH_BYTES = 4 << 20
 
 
 class WireError(ValueError):

@@ -172,7 +172,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 values = rule.pull_values(p, request)
                 live = values.data_ptr() == p.values.data_ptr()  # the weights (Part.values is a new view)
                 snapshot.append((p, None if live else _pull_part(p, values, request.codec, into)))
-        shared: list[tensor_pb2.TensorPart] = []
+        batch, batch_bytes = shard_pb2.PullResponse(), 0
         for p, early in snapshot:
             if into is not None and not context.is_active():
                 return  # cancelled: the worker may have reused its area for its next pull
@@ -180,16 +180,21 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 with run.cond:
                     early = _pull_part(p, p.values, request.codec, into)
             meta, payload = early
+            shared = meta.HasField("shared")
             with run.cond:
-                run.bytes_pulled += meta.shared.length if meta.HasField("shared") else len(payload)
-            if meta.HasField("shared"):
-                shared.append(meta)
-            else:
+                run.bytes_pulled += meta.shared.length if shared else len(payload)
+            if not shared and len(payload) > wire.SMALL_PAYLOAD:
                 yield _pull_response(meta, payload, raw)
-        if shared:
-            response = shard_pb2.PullResponse()
-            response.parts.extend(shared)
-            yield response.SerializeToString() if raw else response
+                continue
+            if not shared:
+                meta.payload = bytes(payload)
+            batch.parts.append(meta)
+            batch_bytes += 64 + len(payload)
+            if batch_bytes >= wire.BATCH_BYTES:
+                yield batch.SerializeToString() if raw else batch
+                batch, batch_bytes = shard_pb2.PullResponse(), 0
+        if batch.parts:
+            yield batch.SerializeToString() if raw else batch
 
     def Push(self, request_iterator, context):
         run = None

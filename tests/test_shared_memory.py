@@ -194,10 +194,11 @@ def test_bad_segments_and_regions_are_rejected_and_change_nothing(shards_only):
             (part,) = response.parts
             assert part.shared.offset == ALIGN + 4096 and part.shared.length == size and not part.payload
             assert torch.allclose(seg.floats(ALIGN + 4096, p.count), tensors["w"] - 0.1)
-            # A region too small for the part: it comes inline instead.
+            # A region too small for the part: it comes inline instead (a small part: in `parts`).
             (response,) = pull(region(length=size - 64))
-            assert not response.parts and len(response.part.payload) == size
-            assert np.allclose(np.frombuffer(response.part.payload, np.float32), tensors["w"].numpy() - 0.1)
+            (part,) = response.parts
+            assert not part.HasField("shared") and len(part.payload) == size
+            assert np.allclose(np.frombuffer(part.payload, np.float32), tensors["w"].numpy() - 0.1)
     finally:
         for segment in segments:
             segment.unlink()
