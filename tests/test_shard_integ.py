@@ -199,3 +199,28 @@ def test_pull_times_out_cleanly_when_version_never_comes(shards_only):
             assert time.monotonic() - began < 10
     finally:
         leave(sessions, clients)
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_many_small_parts_travel_in_batches_both_ways(shards_only, shared_memory):
+    # 16 MiB in 256 KiB parts: ~21 parts per shard, more than one 4 MiB batch each way.
+    torch.manual_seed(1)
+    tensors = {"w": torch.randn(4 << 20), "b": torch.randn(10)}
+    lr = 0.5
+    spec = run_pb2.RunSpec(
+        scheme="asgd", workers=1, steps=100, part_size=256 << 10, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr)
+    )
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, shared_memory=shared_memory)
+    try:
+        assert len(placement.parts) == 65
+        client = clients[0]
+        client.register(tensors)
+        grad = {n: torch.randn_like(t) for n, t in tensors.items()}
+        client.push(grad, 0)
+        pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        client.pull(pulled)
+        for name, t in tensors.items():
+            torch.testing.assert_close(pulled[name], t - lr * grad[name], rtol=0, atol=1e-6, msg=name)
+        assert client.traffic.bytes_pushed == client.traffic.bytes_pulled == 4 * ((4 << 20) + 10)
+    finally:
+        leave(sessions, clients)
