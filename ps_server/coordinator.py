@@ -143,14 +143,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             placement = record.placement
         if placement is None or not placement.tensors:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id} has no parameters yet")
-        # Part by part, shard after shard (no lock held): one part in memory at a time.
+        # Message by message, shard after shard (no lock held): one large part, or one batch of
+        # small ones, in memory at a time.
         pull = shard_pb2.PullRequest(run_id=request.run_id, worker_id=_EXPORTER_ID, wait_ms=_EXPORT_WAIT_MS)
         for index, address in enumerate(placement.shards):
             try:
                 for response in self._stub(address).Pull(pull, timeout=_EXPORT_WAIT_MS / 1000 + 30):
-                    out = cpb.ExportRunResponse()
-                    out.part.CopyFrom(response.part)
-                    yield out
+                    parts = [response.part] if response.HasField("part") else []
+                    for part in parts + list(response.parts):
+                        out = cpb.ExportRunResponse()
+                        out.part.CopyFrom(part)
+                        yield out
             except grpc.RpcError as e:
                 why = f"{e.code().name}: {e.details()}"
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {index} at {address}: {why}")
