@@ -271,15 +271,19 @@ class ParameterClient:
             sent: list[bytes] = []
             sizes = [0, 0.0]  # payload bytes, encode seconds
 
-            def messages(area: _Area | None) -> Iterator[bytes]:
-                nonlocal cursor
-                yield from list(sent)
+            def flush() -> bytes:
+                """The batched parts as one message, kept for a retry; the batch starts again."""
+                nonlocal batch, batch_bytes
+                sent.append(batch.SerializeToString())
                 batch, batch_bytes = shard_pb2.PushRequest.FromString(header), 0
+                return sent[-1]
+
+            def messages(area: _Area | None) -> Iterator[bytes]:
+                nonlocal cursor, batch_bytes
+                yield from list(sent)
                 for p in parts:
                     if batch_bytes >= wire.BATCH_BYTES:
-                        sent.append(batch.SerializeToString())
-                        yield sent[-1]
-                        batch, batch_bytes = shard_pb2.PushRequest.FromString(header), 0
+                        yield flush()
                     began = time.perf_counter()
                     values = flat[p.name][p.offset : p.offset + p.count]
                     if lossless and area is not None and cursor + 4 * p.count <= area.end:
@@ -312,13 +316,14 @@ class ParameterClient:
                     sent.append(message)
                     yield message
                 if batch.parts:
-                    sent.append(batch.SerializeToString())
-                    yield sent[-1]
+                    yield flush()
 
             # Pushes are idempotent per (worker, step): retrying after a timeout is safe. The area
             # is held until the shard answered: its bytes are the push until then.
             with self._claim(shard, 0) as area:
-                cursor = area.offset if area else 0  # the next free byte of the area, across retries
+                # Across retries: the next free byte of the area, and the parts batched but not sent.
+                cursor = area.offset if area else 0
+                batch, batch_bytes = shard_pb2.PushRequest.FromString(header), 0
                 for attempt in range(3):
                     try:
                         response = self._push_calls[shard](messages(area), timeout=self.timeout_s)

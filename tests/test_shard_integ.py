@@ -224,3 +224,49 @@ def test_many_small_parts_travel_in_batches_both_ways(shards_only, shared_memory
         assert client.traffic.bytes_pushed == client.traffic.bytes_pulled == 4 * ((4 << 20) + 10)
     finally:
         leave(sessions, clients)
+
+
+class _BrokenStream(grpc.RpcError):
+    """What a push sees when its stream breaks (a restarted proxy, a dropped connection)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "stream broken by the test"
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, shared_memory):
+    # Small parts (batched) before and after large ones (a message each): the stream breaks after
+    # the push's first message, while small parts wait in a batch; the retry must send them all.
+    torch.manual_seed(2)
+    tensors = {f"b{i}": torch.randn(100) for i in range(6)} | {"w": torch.randn(3 << 18)} | {"c": torch.randn(7)}
+    lr = 0.5
+    spec = run_pb2.RunSpec(
+        scheme="asgd", workers=1, steps=100, part_size=1 << 20, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr)
+    )
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, shared_memory=shared_memory)
+    try:
+        client = clients[0]
+        client.register(tensors)
+        broken = []
+        for shard, call in enumerate(client._push_calls):  # the real call, with a fault injected once
+
+            def flaky(messages, timeout, call=call, shard=shard):
+                if shard not in broken:
+                    broken.append(shard)
+                    next(messages)
+                    raise _BrokenStream()
+                return call(messages, timeout=timeout)
+
+            client._push_calls[shard] = flaky
+        grad = {n: torch.randn_like(t) for n, t in tensors.items()}
+        client.push(grad, 0)
+        assert sorted(broken) == sorted({p.shard for p in placement.parts})
+        pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        client.pull(pulled)
+        for name, t in tensors.items():
+            torch.testing.assert_close(pulled[name], t - lr * grad[name], rtol=0, atol=1e-6, msg=name)
+    finally:
+        leave(sessions, clients)
