@@ -156,7 +156,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         # by part as they are sent, each at the version its response reports: the first part
         # leaves before the last is copied, and no pull holds a copy of every part. Anything else
         # a rule serves (a reduced gradient, ...) is copied at once, under the lock that found
-        # it ready. Parts written into the worker's shared region leave together, in one message.
+        # it ready. Parts written into the worker's shared region, and small ones, leave together
+        # (up to wire.BATCH_BYTES a message); a large payload leaves alone, framed by hand.
         snapshot: list[tuple[Part, tuple[tensor_pb2.TensorPart, wire.Buffer] | None]] = []
         with run.cond:
             try:
