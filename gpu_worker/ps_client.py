@@ -365,22 +365,35 @@ class ParameterClient:
         start = time.perf_counter()
 
         def exchange(shard: int) -> tuple[int, int, int]:
-            messages = []
-            for p in self._parts_by_shard[shard]:
-                message = shard_pb2.GroupAverageRequest(
+            def request() -> shard_pb2.GroupAverageRequest:
+                return shard_pb2.GroupAverageRequest(
                     run_id=self.run_id, worker_id=self.worker_id, step=step, members=members, is_global=is_global
                 )
-                self._part_message(
-                    p, flat[p.name][p.offset : p.offset + p.count].numpy().tobytes(), False, out=message.part
-                )
-                messages.append(message)
+
+            # Small parts travel together, up to wire.BATCH_BYTES a message; a large one alone.
+            messages, batch, batch_bytes, deposited = [], request(), 0, 0
+            for p in self._parts_by_shard[shard]:
+                payload = flat[p.name][p.offset : p.offset + p.count].numpy().tobytes()
+                deposited += len(payload)
+                if len(payload) > wire.SMALL_PAYLOAD:
+                    messages.append(request())
+                    self._part_message(p, payload, False, out=messages[-1].part)
+                    continue
+                self._part_message(p, payload, False, out=batch.parts.add())
+                batch_bytes += 64 + len(payload)
+                if batch_bytes >= wire.BATCH_BYTES:
+                    messages.append(batch)
+                    batch, batch_bytes = request(), 0
+            if batch.parts:
+                messages.append(batch)
             frontier, received = 0, 0
             for response in self._stubs[shard].GroupAverage(iter(messages), timeout=self.timeout_s):
-                part = response.part
-                copy_part_into(out[part.name][part.offset : part.offset + part.count], part, part.payload)
-                frontier = max(frontier, part.version)
-                received += len(part.payload)
-            return frontier, sum(len(m.part.payload) for m in messages), received
+                for part in ([response.part] if response.HasField("part") else []) + list(response.parts):
+                    payload = part.payload  # read once: every read of a bytes field copies it
+                    copy_part_into(out[part.name][part.offset : part.offset + part.count], part, payload)
+                    frontier = max(frontier, part.version)
+                    received += len(payload)
+            return frontier, deposited, received
 
         results = self._each_shard(exchange)
         self.traffic.bytes_pushed += sum(r[1] for r in results)

@@ -305,8 +305,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 header = (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global)
             elif (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global) != header:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
-            part = self._part(run, request.part, context)
-            deposit[part.key] = self._decode(part, request.part, context)
+            parts = ([request.part] if request.HasField("part") else []) + list(request.parts)
+            if not parts:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a GroupAverageRequest without a part")
+            for msg in parts:
+                part = self._part(run, msg, context)
+                deposit[part.key] = self._decode(part, msg, context)
         if run is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty deposit")
         _, worker_id, step, members, is_global = header
@@ -322,14 +326,24 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             replies = [
                 (run.parts[key], encode_part(avg.cpu(), _NONE, lz4_threshold=None)[0]) for key, avg in averages.items()
             ]
+        # Small parts leave together, up to wire.BATCH_BYTES a message; a large one alone.
+        batch, batch_bytes = shard_pb2.GroupAverageResponse(), 0
         for part, payload in replies:
-            response = shard_pb2.GroupAverageResponse()
-            out = response.part
+            response = None if len(payload) <= wire.SMALL_PAYLOAD else shard_pb2.GroupAverageResponse()
+            out = batch.parts.add() if response is None else response.part
             out.name, out.index, out.offset, out.count = part.key[0], part.key[1], part.offset, part.count
             out.dtype = tensor_pb2.DTYPE_FLOAT32
             out.codec.codec = tensor_pb2.CODEC_NONE
             out.payload, out.version = payload, frontier
-            yield response
+            if response is not None:
+                yield response
+                continue
+            batch_bytes += 64 + len(payload)
+            if batch_bytes >= wire.BATCH_BYTES:
+                yield batch
+                batch, batch_bytes = shard_pb2.GroupAverageResponse(), 0
+        if batch.parts:
+            yield batch
 
     @staticmethod
     def _part(run: RunState, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> Part:

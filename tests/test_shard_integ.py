@@ -270,3 +270,27 @@ def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, shared_memory)
             torch.testing.assert_close(pulled[name], t - lr * grad[name], rtol=0, atol=1e-6, msg=name)
     finally:
         leave(sessions, clients)
+
+
+def test_a_group_average_moves_large_and_batched_small_parts(shards_only):
+    # One large part per shard at most (1 MiB parts) and many small ones (batched, > 4 MiB per shard).
+    torch.manual_seed(3)
+    tensors = {"big": torch.randn(3 << 18)} | {f"s{i}": torch.randn(50_000) for i in range(90)}
+    spec = run_pb2.RunSpec(scheme="wagma", workers=1, steps=100, part_size=1 << 20)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors)
+    try:
+        client = clients[0]
+        client.register(tensors)
+        average, frontier = client.group_average(tensors, step=3, members=[sessions[0].worker_id], is_global=False)
+        assert frontier == 3
+        for name, t in tensors.items():
+            assert torch.equal(average[name], t), name  # the average of one deposit is the deposit
+        with open_channel(placement.shards[0]) as channel:
+            stub = shard_pb2_grpc.ShardServiceStub(channel)
+            empty = shard_pb2.GroupAverageRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=4)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.GroupAverage(iter([empty])))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "without a part" in err.value.details()
+    finally:
+        leave(sessions, clients)

@@ -159,26 +159,30 @@ class PushResponse(_message.Message):
     def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class GroupAverageRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part")
+    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     IS_GLOBAL_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
     members: _containers.RepeatedScalarFieldContainer[int]
     is_global: bool
     part: _tensor_pb2.TensorPart
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class GroupAverageResponse(_message.Message):
-    __slots__ = ("part",)
+    __slots__ = ("part", "parts")
     PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     part: _tensor_pb2.TensorPart
-    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
+    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class MapSegmentRequest(_message.Message):
     __slots__ = ("run_id", "worker_id", "segment", "token")
