@@ -115,17 +115,18 @@ class ParameterClient:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(placement.shards)), thread_name_prefix="shard")
         # Pushes get their own threads: a scheme may push while a pull waits on the shards.
         self._push_pool = ThreadPoolExecutor(max_workers=max(1, len(placement.shards)), thread_name_prefix="push")
+        # The shards this worker exchanges with: those that own parts.
+        self._owners = [s for s, parts in enumerate(self._parts_by_shard) if parts]
         # (push area, pull area) of each shard's segment, None where payloads go inline.
         self._areas: list[tuple[_Area, _Area] | None] = [None] * len(placement.shards)
         if shared_memory:
-            for shard, parts in enumerate(self._parts_by_shard):
-                if parts:
-                    self._areas[shard] = self._map_segment(shard)
+            for shard in self._owners:
+                self._areas[shard] = self._map_segment(shard)
         _LOGGER.info(
             "run %s: payloads to shards %s through shared memory, to %s inline",
             run_id,
             self.shared_shards,
-            [s for s, parts in enumerate(self._parts_by_shard) if parts and self._areas[s] is None],
+            [s for s in self._owners if self._areas[s] is None],
         )
 
     @property
@@ -182,8 +183,7 @@ class ParameterClient:
 
     def _each_shard(self, fn, pool: ThreadPoolExecutor | None = None) -> list:
         """Run fn(shard_index) for every shard that owns parts, in parallel."""
-        shards = [s for s, parts in enumerate(self._parts_by_shard) if parts]
-        return list((pool or self._pool).map(fn, shards))
+        return list((pool or self._pool).map(fn, self._owners))
 
     def register(self, tensors: dict[str, torch.Tensor], overwrite: bool = False) -> None:
         """Upload initial values; the first worker's upload wins on each shard. With `overwrite`,
@@ -258,7 +258,6 @@ class ParameterClient:
         """Push one gradient (compressed with the run's codec); returns the max staleness."""
         # On the gradients' device: a lossless part goes from there into shared memory in one copy.
         flat = {name: g.detach().reshape(-1).float() for name, g in grads.items()}
-        lossless = self.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED)
         start = time.perf_counter()
 
         header = shard_pb2.PushRequest(run_id=self.run_id, worker_id=self.worker_id, step=step).SerializeToString()
@@ -271,59 +270,46 @@ class ParameterClient:
             sent: list[bytes] = []
             sizes = [0, 0.0]  # payload bytes, encode seconds
 
-            def flush() -> bytes:
-                """The batched parts as one message, kept for a retry; the batch starts again."""
-                nonlocal batch, batch_bytes
-                sent.append(batch.SerializeToString())
-                batch, batch_bytes = shard_pb2.PushRequest.FromString(header), 0
+            def keep(message: bytes | shard_pb2.PushRequest) -> bytes:
+                """`message` serialized, and kept for a retry."""
+                sent.append(message if isinstance(message, bytes) else message.SerializeToString())
                 return sent[-1]
 
             def messages(area: _Area | None) -> Iterator[bytes]:
-                nonlocal cursor, batch_bytes
+                nonlocal cursor
                 yield from list(sent)
                 for p in parts:
-                    if batch_bytes >= wire.BATCH_BYTES:
-                        yield flush()
                     began = time.perf_counter()
-                    values = flat[p.name][p.offset : p.offset + p.count]
-                    if lossless and area is not None and cursor + 4 * p.count <= area.end:
-                        require_finite(values, "none: values to encode")  # what `_encode` checks
-                        payload, lz4 = values, False  # copied once, from its device into the segment
-                    else:
-                        payload, lz4 = self._encode(values.cpu(), (p.name, p.index))
+                    payload, lz4 = self._encode(flat[p.name][p.offset : p.offset + p.count], (p.name, p.index))
                     meta = self._part_message(p, b"", lz4, codec=self.codec)
                     size = nbytes(payload)
-                    sizes[0] += size
                     if area is not None and cursor + size <= area.end:
-                        # The payload goes into the segment, where the shard reads it; the parts
-                        # placed there leave together, in one message.
+                        # The payload's one copy goes into the segment, where the shard reads it.
                         area.segment.write(cursor, payload)
                         shared = meta.shared
                         shared.segment, shared.offset, shared.length = area.segment.name, cursor, size
                         cursor += aligned(size)
-                        batch.parts.append(meta)
-                        batch_bytes += 64
-                        sizes[1] += time.perf_counter() - began
-                        continue
-                    if size <= wire.SMALL_PAYLOAD:
-                        meta.payload = bytes(payload)
-                        batch.parts.append(meta)
-                        batch_bytes += 64 + size
-                        sizes[1] += time.perf_counter() - began
-                        continue
-                    message = b"".join(wire.part_message(header, _PUSH_PART_FIELD, meta, payload))
+                        ready = batch.add(meta)
+                    else:
+                        if isinstance(payload, torch.Tensor):  # lossless: sent from the values' memory
+                            payload = memoryview(payload.cpu().numpy()).cast("B")
+                        if size <= wire.SMALL_PAYLOAD:
+                            ready = batch.add(meta, payload)
+                        else:
+                            ready = b"".join(wire.part_message(header, _PUSH_PART_FIELD, meta, payload))
+                    sizes[0] += size
                     sizes[1] += time.perf_counter() - began
-                    sent.append(message)
-                    yield message
-                if batch.parts:
-                    yield flush()
+                    if ready is not None:
+                        yield keep(ready)
+                if (rest := batch.take()) is not None:
+                    yield keep(rest)
 
             # Pushes are idempotent per (worker, step): retrying after a timeout is safe. The area
             # is held until the shard answered: its bytes are the push until then.
             with self._claim(shard, 0) as area:
                 # Across retries: the next free byte of the area, and the parts batched but not sent.
                 cursor = area.offset if area else 0
-                batch, batch_bytes = shard_pb2.PushRequest.FromString(header), 0
+                batch = wire.PartBatch(lambda: shard_pb2.PushRequest.FromString(header))
                 for attempt in range(3):
                     try:
                         response = self._push_calls[shard](messages(area), timeout=self.timeout_s)
@@ -346,13 +332,14 @@ class ParameterClient:
         self.traffic.wait_s += elapsed
         return staleness
 
-    def _encode(self, values: torch.Tensor, key: PartKey) -> tuple[memoryview | bytes, bool]:
-        """One part's payload and lz4 flag. Lossless `none` sends the values' own memory (copied
-        once, into the message), after the same NaN/Inf check the codec makes."""
+    def _encode(self, values: torch.Tensor, key: PartKey) -> tuple[torch.Tensor | bytes, bool]:
+        """One part's payload and lz4 flag. Lossless `none` gives the values themselves (on their
+        device), after the same NaN/Inf check the codec makes: they are copied once, into the
+        segment or the message."""
         if self.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and values.is_contiguous():
             require_finite(values, "none: values to encode")
-            return memoryview(values.numpy()).cast("B"), False
-        return encode_part(values, self.codec, feedback=self.feedback, key=key)
+            return values, False
+        return encode_part(values.cpu(), self.codec, feedback=self.feedback, key=key)
 
     def group_average(
         self, values: dict[str, torch.Tensor], step: int, members: list[int], is_global: bool
@@ -371,24 +358,20 @@ class ParameterClient:
                 )
 
             # Small parts travel together, up to wire.BATCH_BYTES a message; a large one alone.
-            messages, batch, batch_bytes, deposited = [], request(), 0, 0
+            messages, batch, deposited = [], wire.PartBatch(request), 0
             for p in self._parts_by_shard[shard]:
                 payload = flat[p.name][p.offset : p.offset + p.count].numpy().tobytes()
                 deposited += len(payload)
                 if len(payload) > wire.SMALL_PAYLOAD:
                     messages.append(request())
                     self._part_message(p, payload, False, out=messages[-1].part)
-                    continue
-                self._part_message(p, payload, False, out=batch.parts.add())
-                batch_bytes += 64 + len(payload)
-                if batch_bytes >= wire.BATCH_BYTES:
-                    messages.append(batch)
-                    batch, batch_bytes = request(), 0
-            if batch.parts:
-                messages.append(batch)
+                elif (full := batch.add(self._part_message(p, b"", False), payload)) is not None:
+                    messages.append(full)
+            if (rest := batch.take()) is not None:
+                messages.append(rest)
             frontier, received = 0, 0
             for response in self._stubs[shard].GroupAverage(iter(messages), timeout=self.timeout_s):
-                for part in ([response.part] if response.HasField("part") else []) + list(response.parts):
+                for part in wire.parts_of(response):
                     payload = part.payload  # read once: every read of a bytes field copies it
                     copy_part_into(out[part.name][part.offset : part.offset + part.count], part, payload)
                     frontier = max(frontier, part.version)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 import grpc
+from google.protobuf.message import Message
 
 from gradps.v1 import tensor_pb2
 
@@ -140,6 +141,36 @@ def split_part(message: Buffer, part_field: int = 1) -> tuple[tensor_pb2.TensorP
     if meta is None:
         raise WireError(f"no field {part_field} in the message")
     return meta, payload
+
+
+def parts_of(message) -> list[tensor_pb2.TensorPart]:
+    """A parsed message's parts: its `part` if set, then its repeated `parts` if it has them."""
+    first = [message.part] if message.HasField("part") else []
+    return first + list(getattr(message, "parts", ()))
+
+
+class PartBatch:
+    """Parts gathered into the repeated `parts` of messages made by `new`: parts whose payload lies
+    in shared memory and small ones, up to BATCH_BYTES a message."""
+
+    def __init__(self, new: Callable[[], Message]) -> None:
+        self._new = new
+        self._message = new()
+        self._bytes = 0
+
+    def add(self, meta: tensor_pb2.TensorPart, payload: Buffer = b"") -> Message | None:
+        """Append `meta` with `payload` (copied); the message to send once it is full, else None."""
+        part = self._message.parts.add()
+        part.CopyFrom(meta)
+        if len(payload):
+            part.payload = bytes(payload)
+        self._bytes += 64 + len(payload)  # ~64 bytes of metadata a part
+        return self.take() if self._bytes >= BATCH_BYTES else None
+
+    def take(self) -> Message | None:
+        """What was gathered (None when nothing was), and a new message for what follows."""
+        message, self._message, self._bytes = self._message, self._new(), 0
+        return message if message.parts else None
 
 
 class _Capture:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 import click
 import grpc
 
+from gradps import wire
 from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
 from gradps.placement import place
 from gradps.v1 import coordinator_pb2 as cpb
@@ -149,8 +150,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         for index, address in enumerate(placement.shards):
             try:
                 for response in self._stub(address).Pull(pull, timeout=_EXPORT_WAIT_MS / 1000 + 30):
-                    parts = [response.part] if response.HasField("part") else []
-                    for part in parts + list(response.parts):
+                    for part in wire.parts_of(response):
                         out = cpb.ExportRunResponse()
                         out.part.CopyFrom(part)
                         yield out

@@ -42,18 +42,15 @@ def _unpack(message, request_type, part_field: int, context: grpc.ServicerContex
     small: their payloads, if any, lie in shared memory); parsed, each payload is read once
     (every read of a protobuf bytes field copies it).
     """
-    if isinstance(message, bytes):
-        try:
-            rest, part, payload = wire.split_message(message, part_field)
-            request = request_type.FromString(rest)
-        except (wire.WireError, DecodeError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {e}")
-        first = [(part, payload)] if part is not None else []
-    else:
-        request = message
-        first = [(message.part, message.part.payload)] if message.HasField("part") else []
-    repeated = getattr(request, "parts", ())
-    return request, first + [(p, p.payload) for p in repeated]
+    if not isinstance(message, bytes):
+        return message, [(p, p.payload) for p in wire.parts_of(message)]
+    try:
+        rest, part, payload = wire.split_message(message, part_field)
+        request = request_type.FromString(rest)
+    except (wire.WireError, DecodeError) as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {e}")
+    first = [(part, payload)] if part is not None else []
+    return request, first + [(p, p.payload) for p in getattr(request, "parts", ())]
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
@@ -173,7 +170,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 values = rule.pull_values(p, request)
                 live = values.data_ptr() == p.values.data_ptr()  # the weights (Part.values is a new view)
                 snapshot.append((p, None if live else _pull_part(p, values, request.codec, into)))
-        batch, batch_bytes = shard_pb2.PullResponse(), 0
+        batch = wire.PartBatch(shard_pb2.PullResponse)
         for p, early in snapshot:
             if into is not None and not context.is_active():
                 return  # cancelled: the worker may have reused its area for its next pull
@@ -186,16 +183,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 run.bytes_pulled += meta.shared.length if shared else len(payload)
             if not shared and len(payload) > wire.SMALL_PAYLOAD:
                 yield _pull_response(meta, payload, raw)
-                continue
-            if not shared:
-                meta.payload = bytes(payload)
-            batch.parts.append(meta)
-            batch_bytes += 64 + len(payload)
-            if batch_bytes >= wire.BATCH_BYTES:
-                yield batch.SerializeToString() if raw else batch
-                batch, batch_bytes = shard_pb2.PullResponse(), 0
-        if batch.parts:
-            yield batch.SerializeToString() if raw else batch
+            elif (full := batch.add(meta, payload)) is not None:
+                yield full.SerializeToString() if raw else full
+        if (rest := batch.take()) is not None:
+            yield rest.SerializeToString() if raw else rest
 
     def Push(self, request_iterator, context):
         run = None
@@ -305,7 +296,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 header = (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global)
             elif (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global) != header:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
-            parts = ([request.part] if request.HasField("part") else []) + list(request.parts)
+            parts = wire.parts_of(request)
             if not parts:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a GroupAverageRequest without a part")
             for msg in parts:
@@ -327,23 +318,22 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 (run.parts[key], encode_part(avg.cpu(), _NONE, lz4_threshold=None)[0]) for key, avg in averages.items()
             ]
         # Small parts leave together, up to wire.BATCH_BYTES a message; a large one alone.
-        batch, batch_bytes = shard_pb2.GroupAverageResponse(), 0
+        batch = wire.PartBatch(shard_pb2.GroupAverageResponse)
         for part, payload in replies:
-            response = None if len(payload) <= wire.SMALL_PAYLOAD else shard_pb2.GroupAverageResponse()
-            out = batch.parts.add() if response is None else response.part
-            out.name, out.index, out.offset, out.count = part.key[0], part.key[1], part.offset, part.count
-            out.dtype = tensor_pb2.DTYPE_FLOAT32
-            out.codec.codec = tensor_pb2.CODEC_NONE
-            out.payload, out.version = payload, frontier
-            if response is not None:
+            meta = tensor_pb2.TensorPart(
+                name=part.key[0], index=part.key[1], offset=part.offset, count=part.count, version=frontier
+            )
+            meta.dtype, meta.codec.codec = tensor_pb2.DTYPE_FLOAT32, tensor_pb2.CODEC_NONE
+            if len(payload) > wire.SMALL_PAYLOAD:
+                # Fields set in place: GroupAverageResponse(part=...) would copy the payload again.
+                response = shard_pb2.GroupAverageResponse()
+                response.part.CopyFrom(meta)
+                response.part.payload = payload
                 yield response
-                continue
-            batch_bytes += 64 + len(payload)
-            if batch_bytes >= wire.BATCH_BYTES:
-                yield batch
-                batch, batch_bytes = shard_pb2.GroupAverageResponse(), 0
-        if batch.parts:
-            yield batch
+            elif (full := batch.add(meta, payload)) is not None:
+                yield full
+        if (rest := batch.take()) is not None:
+            yield rest
 
     @staticmethod
     def _part(run: RunState, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> Part:
