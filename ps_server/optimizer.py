@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from gradps.placement import PartKey
 from gradps.v1 import run_pb2
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -76,8 +77,9 @@ def make_optimizer(params: list[torch.Tensor], spec: run_pb2.OptimizerSpec) -> t
 class ScheduledOptimizer:
     """A torch optimizer whose learning rate follows the spec's schedule, one update at a time.
 
-    Shards use it per part; schemes whose model lives on the workers (wagma, pseudosync) use it
-    for the local update, so every scheme applies the same optimizer rule.
+    Schemes whose model lives on the workers (wagma, pseudosync) use it for the local update; a
+    shard's ShardOptimizer follows the same rule and schedule, so every scheme applies the same
+    optimizer.
     """
 
     def __init__(self, params: list[torch.Tensor], spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
@@ -93,15 +95,42 @@ class ScheduledOptimizer:
         self.updates += 1
 
 
-class PartOptimizer(ScheduledOptimizer):
-    """The optimizer of one flat part. Every rule is elementwise, so parts are independent."""
+class ShardOptimizer:
+    """One torch optimizer over every part a shard holds in a run. The parts that a push (asgd,
+    ssp) or a completed step (sync) updates together take one fused step over all of them: a step
+    per part pays the optimizer's Python and kernel-launch overhead once per part, which on a GPU
+    costs more than the update of a 4 MiB part itself (docs/performance.md, "The shard's optimizer
+    update"). Every rule is elementwise, so the result is exactly that of one optimizer per part:
+    each part keeps its own state and its own position in the learning-rate schedule."""
 
-    def __init__(self, values: torch.Tensor, spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
-        self.param = torch.nn.Parameter(values, requires_grad=False)
-        super().__init__([self.param], spec, total_steps)
+    def __init__(self, values: dict[PartKey, torch.Tensor], spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
+        self.spec = spec
+        self.total_steps = total_steps
+        self.params = {key: torch.nn.Parameter(v, requires_grad=False) for key, v in values.items()}
+        # Updates applied to each part so far (its position in the schedule).
+        self.updates = dict.fromkeys(values, 0)
+        # A shard the placement gives no part of a run has nothing to optimize.
+        self.opt = make_optimizer(list(self.params.values()), spec) if values else None
 
-    def apply(self, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
-        """w <- opt(w, grad) with the scheduled learning rate times `lr_scale`."""
-        self.param.grad = grad
-        self.step(lr_scale)
-        self.param.grad = None
+    def apply(self, updates: list[tuple[PartKey, torch.Tensor, float]]) -> None:
+        """w <- opt(w, grad) for each (part, grad, lr_scale), in order: a part listed twice is
+        updated twice. Parts at the same schedule position and scale share one step."""
+        waves: list[dict[PartKey, tuple[torch.Tensor, float]]] = []
+        for key, grad, lr_scale in updates:
+            wave = next((w for w in waves if key not in w), None)
+            if wave is None:
+                waves.append(wave := {})
+            wave[key] = (grad, lr_scale)
+        for wave in waves:
+            groups: dict[tuple[int, float], list[PartKey]] = {}
+            for key, (_, lr_scale) in wave.items():
+                groups.setdefault((self.updates[key], lr_scale), []).append(key)
+            for (position, lr_scale), keys in groups.items():
+                # Between steps no part holds a gradient: torch's step skips those without one.
+                for key in keys:
+                    self.params[key].grad = wave[key][0]
+                self.opt.param_groups[0]["lr"] = learning_rate(self.spec, position, self.total_steps) * lr_scale
+                self.opt.step()
+                for key in keys:
+                    self.params[key].grad = None
+                    self.updates[key] += 1

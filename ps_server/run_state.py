@@ -10,7 +10,7 @@ import torch
 from gradps.placement import PartKey
 from gradps.shared_memory import Segment
 from gradps.v1 import run_pb2, shard_pb2
-from ps_server.optimizer import PartOptimizer
+from ps_server.optimizer import ShardOptimizer
 
 
 @dataclass
@@ -22,16 +22,12 @@ class Part:
     # First element in the flattened tensor, and element count.
     offset: int
     count: int
-    # The optimizer; its parameter is the part's values (flat float32 on the shard's device).
-    optimizer: PartOptimizer
+    # The weights: flat float32 on the shard's device, updated in place by the run's optimizer.
+    values: torch.Tensor
     # Updates applied so far.
     version: int = 0
     # False until a worker uploaded initial values.
     initialised: bool = False
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.optimizer.param.data
 
 
 @dataclass
@@ -60,6 +56,8 @@ class RunState:
     device: torch.device
     total_steps: int
     parts: dict[PartKey, Part]
+    # Updates the parts' values; its state (momentum, moments) is the run's optimizer state.
+    optimizer: ShardOptimizer
     live_workers: set[int]
     membership_epoch: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -76,11 +74,9 @@ class RunState:
         """Allocate zeroed parts for every part the placement gives this shard."""
         parts = {}
         for p in request.placement.parts:
-            if p.shard != request.shard_index:
-                continue
-            values = torch.zeros(p.count, dtype=torch.float32, device=device)
-            optimizer = PartOptimizer(values, request.spec.optimizer, request.total_steps)
-            parts[(p.name, p.index)] = Part((p.name, p.index), p.offset, p.count, optimizer)
+            if p.shard == request.shard_index:
+                values = torch.zeros(p.count, dtype=torch.float32, device=device)
+                parts[(p.name, p.index)] = Part((p.name, p.index), p.offset, p.count, values)
         return cls(
             run_id=request.run_id,
             spec=request.spec,
@@ -89,6 +85,9 @@ class RunState:
             device=device,
             total_steps=request.total_steps,
             parts=parts,
+            optimizer=ShardOptimizer(
+                {key: part.values for key, part in parts.items()}, request.spec.optimizer, request.total_steps
+            ),
             live_workers=set(request.workers),
         )
 

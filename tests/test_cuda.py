@@ -8,32 +8,26 @@ import torch
 
 from gradps.codecs import decode_part, encode_part, parse_codec
 from gradps.v1 import run_pb2
-from ps_server.optimizer import PartOptimizer, kernels
+from ps_server.optimizer import ShardOptimizer, kernels
+from tests.test_optimizer import SPECS, apply_calls
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-SPECS = [
-    run_pb2.OptimizerSpec(name="sgd", lr=0.1),
-    run_pb2.OptimizerSpec(name="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
-    run_pb2.OptimizerSpec(name="adam", lr=1e-3),
-    run_pb2.OptimizerSpec(name="adamw", lr=1e-3, weight_decay=0.01, schedule="cosine", warmup_steps=2),
-]
-
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.name}-{s.schedule or 'constant'}")
-def test_part_update_on_cuda_matches_cpu(spec):
-    generator = torch.Generator().manual_seed(0)
-    count = (1 << 20) + 17  # not a multiple of any vector width
-    start = torch.randn(count, generator=generator)
-    grads = [torch.randn(count, generator=generator) for _ in range(5)]
-    cpu = PartOptimizer(start.clone(), spec, total_steps=10)
-    cuda = PartOptimizer(start.clone().cuda(), spec, total_steps=10)
-    assert kernels([cuda.param]) == {"fused": True}
-    for g in grads:
-        cpu.apply(g)
-        cuda.apply(g.cuda())
-    torch.testing.assert_close(cuda.param.detach().cpu(), cpu.param.detach(), rtol=1e-5, atol=1e-6)
-    assert cuda.updates == cpu.updates == len(grads)
+def test_shard_update_on_cuda_matches_one_optimizer_per_part(spec):
+    """The same calls as tests/test_optimizer.py, with the parts and gradients on the GPU."""
+    got, expected, start = apply_calls(spec, "cuda")
+    for key, values in got.items():
+        torch.testing.assert_close(values, expected[key], rtol=1e-5, atol=1e-6, msg=str(key))
+        assert not torch.equal(values, start[key])
+
+
+def test_shard_update_on_cuda_uses_fused_kernels():
+    values = {("w", i): torch.randn((1 << 20) + 17, device="cuda") for i in range(3)}  # no vector-width multiple
+    opt = ShardOptimizer(values, run_pb2.OptimizerSpec(name="adam", lr=1e-3), total_steps=10)
+    assert kernels(list(opt.params.values())) == {"fused": True}
+    assert opt.opt.defaults["fused"]
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "topk:0.1", "sign"])

@@ -7,6 +7,7 @@ moments: 28 bytes per float32 parameter; that minimum divided by the time is the
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -22,6 +23,8 @@ from rich.table import Table
 if TYPE_CHECKING:
     import torch
 
+    from ps_server.optimizer import ScheduledOptimizer
+
 MiB = 1 << 20
 # Bytes an update must move per float32 parameter: reads + writes.
 _TRAFFIC = {"adam": 28, "adamw": 28, "sgd": 12}
@@ -31,8 +34,9 @@ _TRAFFIC = {"adam": 28, "adamw": 28, "sgd": 12}
 class AdamRow:
     """One way of applying the update to all parts."""
 
-    # "per-part": one optimizer per part, applied part by part (what a shard does per push);
-    # "all-parts": one optimizer over every part, one fused/foreach step for all of them.
+    # "shard": what a shard does with a push of every part (ShardOptimizer.apply: one fused or
+    # foreach step over all of them); "per-part": one optimizer per part, stepped part after part
+    # (what shards did before; the reference that shows the per-step overhead).
     path: str
     optimizer: str
     device: str
@@ -79,14 +83,9 @@ def _stream_gbps(n: int, device: torch.device, steps: int) -> float:
     return max(8 * n / copy_s, 12 * n / add_s) / 1e9
 
 
-def _per_part_update(parts, grads):
-    """What a shard does for one push: each part's optimizer, part after part."""
-
-    def update() -> None:
-        for part, grad in zip(parts, grads, strict=True):
-            part.apply(grad)
-
-    return update
+def _step_each(optimizers: list[ScheduledOptimizer]) -> None:
+    for optimizer in optimizers:
+        optimizer.step()
 
 
 def measure_adam(
@@ -97,26 +96,26 @@ def measure_adam(
 
     from gradps.device import resolve_device
     from gradps.v1 import run_pb2
-    from ps_server.optimizer import PartOptimizer, kernels, make_optimizer
+    from ps_server.optimizer import ScheduledOptimizer, ShardOptimizer, kernels
 
     device = resolve_device(device_name)
-    per_part = max(1, int(part_mib * MiB) // 4)
-    counts = [min(per_part, n_params - o) for o in range(0, n_params, per_part)]
+    part_count = max(1, int(part_mib * MiB) // 4)
+    counts = [min(part_count, n_params - o) for o in range(0, n_params, part_count)]
     spec = run_pb2.OptimizerSpec(name=optimizer, lr=1e-3)
     copy_gbps = _stream_gbps(n_params, device, steps)
     rows = []
     for path in paths:
-        values = [torch.randn(c, device=device) for c in counts]
-        grads = [torch.randn(c, device=device) * 1e-3 for c in counts]
-        if path == "per-part":
-            parts = [PartOptimizer(v, spec, total_steps=10**6) for v in values]
-            update = _per_part_update(parts, grads)
-            used = kernels([parts[0].param])
+        values = {("bench", i): torch.randn(c, device=device) for i, c in enumerate(counts)}
+        grads = [(key, torch.randn(v.numel(), device=device) * 1e-3, 1.0) for key, v in values.items()]
+        if path == "shard":
+            shard = ShardOptimizer(values, spec, total_steps=10**6)
+            update = functools.partial(shard.apply, grads)
+            used = kernels(list(shard.params.values()))
         else:
-            params = [torch.nn.Parameter(v, requires_grad=False) for v in values]
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            update = make_optimizer(params, spec).step
+            params = [torch.nn.Parameter(v, requires_grad=False) for v in values.values()]
+            for param, (_, grad, _) in zip(params, grads, strict=True):
+                param.grad = grad
+            update = functools.partial(_step_each, [ScheduledOptimizer([p], spec, 10**6) for p in params])
             used = kernels(params)
         seconds = _time(update, device, steps)
         gbps = _TRAFFIC[optimizer] * n_params / seconds / 1e9
@@ -168,7 +167,7 @@ def print_rows(rows: list[AdamRow], console: Console) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
 def adam(n_params, part_mib, device, optimizer, steps, json_path) -> None:
     """The shard's optimizer update in GB/s of memory traffic, beside a copy of the same memory."""
-    rows = measure_adam(n_params, part_mib, device, optimizer, steps, ["per-part", "all-parts"])
+    rows = measure_adam(n_params, part_mib, device, optimizer, steps, ["shard", "per-part"])
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)

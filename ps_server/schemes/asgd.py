@@ -37,14 +37,16 @@ class AsgdRule(ShardRule):
 
     def push(self, push: Push) -> int:
         staleness = 0
+        updates = []
         for key, grad in push.grads.items():
             part = self.run.parts[key]
             tau = part.version - push.versions[key]
             staleness = max(staleness, tau)
             if self.dc_lambda:
                 grad = self._compensate(push.worker_id, part, grad)
-            part.optimizer.apply(grad, lr_scale=1.0 / max(1, tau) if self.staleness_lr else 1.0)
+            updates.append((key, grad, 1.0 / max(1, tau) if self.staleness_lr else 1.0))
             part.version += 1
+        self.run.optimizer.apply(updates)  # every part of the push in one fused step
         return staleness
 
     def _compensate(self, worker_id: int, part: Part, grad: torch.Tensor) -> torch.Tensor:

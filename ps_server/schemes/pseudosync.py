@@ -25,11 +25,12 @@ class PseudosyncRule(SyncRule):
         super().__init__(run)
         self.reduced: dict[PartKey, dict[int, torch.Tensor]] = {}
 
-    def _complete(self, part: Part, mean: torch.Tensor) -> None:
-        history = self.reduced.setdefault(part.key, {})
-        history[part.version] = mean
-        for old in [s for s in history if s <= part.version - _KEEP_STEPS]:
-            del history[old]
+    def _complete(self, completed: list[tuple[Part, int, torch.Tensor]]) -> None:
+        for part, step, mean in completed:
+            history = self.reduced.setdefault(part.key, {})
+            history[step] = mean
+            for old in [s for s in history if s <= step - _KEEP_STEPS]:
+                del history[old]
 
     def pull_ready(self, parts: list[Part], request: shard_pb2.PullRequest) -> bool:
         if not request.gradient:

@@ -32,6 +32,7 @@ class SyncRule(ShardRule):
             version = self.run.parts[key].version
             if push.step > version + self.max_ahead:
                 raise PushRejected(f"step {push.step} is ahead of part {key[0]}/{key[1]} at step {version}")
+        completed = []
         for key, grad in push.grads.items():
             part = self.run.parts[key]
             if push.step < part.version:
@@ -43,28 +44,32 @@ class SyncRule(ShardRule):
             total = _add_into(total, grad)
             contributors.add(push.worker_id)
             steps[push.step] = (total, contributors)
-            self._complete_ready(key)
+            completed += self._complete_ready(key)
+        self._complete(completed)
         return 0
 
     def membership_changed(self) -> None:
-        for key in list(self.pending):
-            self._complete_ready(key)
+        self._complete([c for key in list(self.pending) for c in self._complete_ready(key)])
 
-    def _complete_ready(self, key: PartKey) -> None:
-        """Complete the part's steps in order while every live worker has contributed."""
+    def _complete_ready(self, key: PartKey) -> list[tuple[Part, int, torch.Tensor]]:
+        """Complete the part's steps in order while every live worker has contributed: each as
+        (part, step, mean gradient)."""
         part = self.run.parts[key]
         steps = self.pending[key]
+        completed = []
         while part.version in steps:
             total, contributors = steps[part.version]
             if not self.run.live_workers <= contributors:
-                return
+                break
             del steps[part.version]
-            self._complete(part, total.div_(len(contributors)))
+            completed.append((part, part.version, total.div_(len(contributors))))
             part.version += 1
+        return completed
 
-    def _complete(self, part: Part, mean: torch.Tensor) -> None:
-        """What the step's exact mean gradient does: sync applies it to the weights."""
-        part.optimizer.apply(mean)
+    def _complete(self, completed: list[tuple[Part, int, torch.Tensor]]) -> None:
+        """What the steps' exact mean gradients do: sync applies them to the weights, every part
+        completed by one push in one fused step."""
+        self.run.optimizer.apply([(part.key, mean, 1.0) for part, _, mean in completed])
 
 
 def _add_into(total: torch.Tensor | None, grad: torch.Tensor | SparsePart) -> torch.Tensor:
