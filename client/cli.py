@@ -15,6 +15,7 @@ from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
 from client.sdk import Client, GradpsError
 from gradps.codecs import parse_codec
+from gradps.device import device_option
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
 
@@ -159,6 +160,7 @@ def cli() -> None:
 
 
 def _cluster_options(fn):
+    fn = device_option("--local: where shards and workers compute (auto: CUDA when present).")(fn)
     fn = click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1), help="--local: seconds.")(fn)
     fn = click.option("--shards", default=2, type=click.IntRange(min=1), help="--local: shard processes.")(fn)
     fn = click.option("--local", is_flag=True, help="Start an embedded cluster of local processes.")(fn)
@@ -176,14 +178,14 @@ def _cluster_options(fn):
 )
 @click.option("--no-progress", is_flag=True, help="No live progress bar.")
 @one_line_errors
-def train(coordinator, local, shards, heartbeat_timeout, scheme, workers, out, no_progress, **options) -> None:
+def train(coordinator, local, shards, heartbeat_timeout, device, scheme, workers, out, no_progress, **options) -> None:
     """Train one run and print its summary; writes summary.json and metrics.jsonl."""
     if local == bool(coordinator):
         raise click.UsageError("give exactly one of --local or --coordinator HOST:PORT")
     spec = build_spec(scheme, workers, **options)
     if local:
         log_dir = Path("runs") / "local-logs" if out is None else out / "logs"
-        with LocalCluster(shards, workers, heartbeat_timeout, log_dir=log_dir) as cluster:
+        with LocalCluster(shards, workers, heartbeat_timeout, log_dir=log_dir, device=device) as cluster:
             summary = _train_on(cluster.address, spec, out, no_progress)
     else:
         summary = _train_on(coordinator, spec, out, no_progress)
@@ -205,11 +207,13 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
 @click.option("--shards", default=2, type=click.IntRange(min=1))
 @click.option("--workers", default=2, type=click.IntRange(min=0), help="0: your own scripts are the workers.")
 @click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1))
+@device_option("Where shards and workers compute (auto: CUDA when present).")
 @one_line_errors
-def up(shards: int, workers: int, heartbeat_timeout: float) -> None:
+def up(shards: int, workers: int, heartbeat_timeout: float, device: str) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
-    with LocalCluster(shards, workers, heartbeat_timeout, log_dir=Path("runs") / "local-logs") as cluster:
-        click.echo(f"coordinator at {cluster.address}; {shards} shards, {workers} workers. Ctrl-C stops.")
+    log_dir = Path("runs") / "local-logs"
+    with LocalCluster(shards, workers, heartbeat_timeout, log_dir=log_dir, device=device) as cluster:
+        click.echo(f"coordinator at {cluster.address}; {shards} shards, {workers} workers on {device}. Ctrl-C stops.")
         click.echo(f"  gradps train --coordinator {cluster.address}")
         try:
             while True:
@@ -302,7 +306,9 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs") / "compare")
 @click.option("--no-progress", is_flag=True, help="No live progress bars.")
 @one_line_errors
-def compare(coordinator, local, shards, heartbeat_timeout, schemes, workers, target_accuracy, out, no_progress, **o):
+def compare(
+    coordinator, local, shards, heartbeat_timeout, device, schemes, workers, target_accuracy, out, no_progress, **o
+):
     """Run several schemes on the same cluster, data, seed and model; table, JSON, CSV and a plot."""
     from client.compare import print_table, run_comparison, write_outputs
 
@@ -320,7 +326,7 @@ def compare(coordinator, local, shards, heartbeat_timeout, schemes, workers, tar
     if coordinator:
         rows = run_comparison(coordinator, specs, target_accuracy, out, show_progress=not no_progress)
     else:  # the default: an embedded cluster, the same one for every scheme
-        with LocalCluster(shards, workers, heartbeat_timeout, log_dir=out / "logs") as cluster:
+        with LocalCluster(shards, workers, heartbeat_timeout, log_dir=out / "logs", device=device) as cluster:
             rows = run_comparison(cluster.address, specs, target_accuracy, out, show_progress=not no_progress)
     write_outputs(rows, target_accuracy, out, title)
     print_table(rows, target_accuracy)

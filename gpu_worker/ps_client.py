@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,6 +119,7 @@ class ParameterClient:
         self._owners = [s for s, parts in enumerate(self._parts_by_shard) if parts]
         # (push area, pull area) of each shard's segment, None where payloads go inline.
         self._areas: list[tuple[_Area, _Area] | None] = [None] * len(placement.shards)
+        self._pinned = False
         if shared_memory:
             for shard in self._owners:
                 self._areas[shard] = self._map_segment(shard)
@@ -217,6 +218,7 @@ class ParameterClient:
         request.run_id, request.worker_id = self.run_id, self.worker_id
         request.wait_ms = int(self.timeout_s * 1000)
         flat = {name: t.data.view(-1) for name, t in into.items()}
+        self._pin_segments(flat.values())
         start = time.perf_counter()
 
         def fetch(shard: int) -> tuple[int, float]:
@@ -258,6 +260,7 @@ class ParameterClient:
         """Push one gradient (compressed with the run's codec); returns the max staleness."""
         # On the gradients' device: a lossless part goes from there into shared memory in one copy.
         flat = {name: g.detach().reshape(-1).float() for name, g in grads.items()}
+        self._pin_segments(flat.values())
         start = time.perf_counter()
 
         header = shard_pb2.PushRequest(run_id=self.run_id, worker_id=self.worker_id, step=step).SerializeToString()
@@ -331,6 +334,15 @@ class ParameterClient:
         self.traffic.push_s += elapsed
         self.traffic.wait_s += elapsed
         return staleness
+
+    def _pin_segments(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Page-lock the shared segments for CUDA once GPU tensors use them (Segment.pin): a
+        worker that trains on the CPU never makes a CUDA context for it."""
+        if not self._pinned and any(t.is_cuda for t in tensors):
+            self._pinned = True
+            for areas in self._areas:
+                if areas is not None:
+                    areas[0].segment.pin()
 
     def _encode(self, values: torch.Tensor, key: PartKey) -> tuple[torch.Tensor | bytes, bool]:
         """One part's payload and lz4 flag. Lossless `none` gives the values themselves (on their

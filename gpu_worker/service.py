@@ -16,7 +16,7 @@ import torch
 from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
 from gpu_worker.trainer import Trainer
 from gradps.datasets import ShardSampler, load_dataset
-from gradps.device import resolve_device
+from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
 from gradps.models import build_model
 from gradps.v1 import coordinator_pb2
@@ -150,7 +150,7 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--coordinator", envvar="GRADPS_COORDINATOR", required=True, help="Coordinator HOST:PORT.")
-@click.option("--device", envvar="GRADPS_DEVICE", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
+@device_option("Where the model trains (auto: CUDA when present).", envvar="GRADPS_DEVICE")
 @click.option("--name", envvar="GRADPS_WORKER_NAME", default=None, help="Name shown in `gradps status`.")
 @click.option("--threads", envvar="GRADPS_THREADS", default=1, type=int, help="torch intra-op threads.")
 @click.option(
@@ -163,16 +163,12 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
 def main(coordinator: str, device: str, name: str | None, threads: int, shared_memory: bool, log_level: str) -> None:
     """gradps worker: joins the coordinator and trains the runs assigned to it."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
-    try:
-        torch_device = resolve_device(device)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--device") from None
     torch.set_num_threads(max(1, threads))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve(coordinator, torch_device, name, stop, shared_memory)
+        serve(coordinator, torch.device(device), name, stop, shared_memory)
     except ConnectionError as e:
         raise click.ClickException(str(e)) from None
 

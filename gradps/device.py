@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import click
 import torch
+
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -12,3 +17,18 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible")
     return torch.device(name)
+
+
+def _resolve(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return str(resolve_device(value))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def device_option(help: str, default: str = "auto", envvar: str | None = None) -> Callable:
+    """The `--device` option of every command: auto, cpu or cuda, given to the command resolved
+    ('cpu' or 'cuda'); CUDA where there is none is a usage error, before anything starts."""
+    return click.option(
+        "--device", default=default, envvar=envvar, type=click.Choice(DEVICES), callback=_resolve, help=help
+    )

@@ -17,6 +17,8 @@ import mmap
 import os
 import re
 import secrets
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +86,9 @@ class Segment:
         self.token = token
         self._memory = memory
         self._bytes = np.frombuffer(memory, dtype=np.uint8)
+        # None until pin() is asked; then whether CUDA page-locked the segment.
+        self.pinned: bool | None = None
+        self._pin_lock = threading.Lock()
 
     @classmethod
     def create(cls, size: int) -> Segment:
@@ -128,6 +133,22 @@ class Segment:
             memory.close()
             raise SegmentError(f"segment {name}: token does not match")
         return cls(name, memory, token)
+
+    def pin(self) -> bool:
+        """Page-lock the segment for CUDA (cudaHostRegister), once: copies between it and a GPU
+        then go by DMA straight from and to it, not through the driver's staging buffer. False
+        where there is no CUDA or it refuses (copies still work, staged). Unregistered when the
+        segment is collected; views handed out before stay valid, as plain memory."""
+        with self._pin_lock:
+            if self.pinned is None:
+                self.pinned = False
+                if torch.cuda.is_available():
+                    cudart = torch.cuda.cudart()
+                    address = self._bytes.ctypes.data
+                    if cudart.cudaHostRegister(address, self.size, 0) == cudart.cudaError.success:
+                        weakref.finalize(self, cudart.cudaHostUnregister, address)
+                        self.pinned = True
+            return self.pinned
 
     def unlink(self) -> None:
         """Remove the file; the mappings stay valid until both processes drop them."""

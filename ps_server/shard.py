@@ -17,7 +17,7 @@ from gradps import wire
 from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
 from gradps.codecs import CodecError, decode_part, decode_summand, encode_part
 from gradps.codecs.base import require_finite
-from gradps.device import resolve_device
+from gradps.device import device_option
 from gradps.shared_memory import Segment, SegmentError, aligned, check_name, nbytes
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
@@ -271,6 +271,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     f"worker {request.worker_id} already has {mapped} segments mapped in this run",
                 )
             run.segments[key] = segment
+        if self.device.type == "cuda":
+            segment.pin()  # payloads then cross between the segment and the GPU by DMA
         return shard_pb2.MapSegmentResponse(size=segment.size)
 
     def GetStats(self, request, context):
@@ -469,16 +471,13 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
     default=socket.gethostname(),
     help="Host name by which workers reach this shard.",
 )
-@click.option("--device", envvar="GRADPS_DEVICE", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
+@device_option("Where parts live and updates run (auto: CUDA when present).", envvar="GRADPS_DEVICE")
 @click.option("--port-file", envvar="GRADPS_PORT_FILE", default=None, help="Write the bound port here.")
 @click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
 def main(port: int, coordinator: str, advertise_host: str, device: str, port_file: str | None, log_level: str) -> None:
     """gradps shard: holds parts of the parameters and applies the run's update rule."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s shard %(levelname)s %(message)s")
-    try:
-        torch_device = resolve_device(device)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--device") from None
+    torch_device = torch.device(device)
     server = make_server()
     add_shard_servicer(ShardServicer(torch_device), server)
     add_health(server, ["gradps.v1.ShardService"])

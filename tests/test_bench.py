@@ -66,3 +66,42 @@ def test_transport_bench_writes_complete_rows(tmp_path):
         assert row["size_mib"] == 0.25 and row["shards"] == 1 and row["workers"] == 2
         for field in ("seconds", "gbps", "tcp_gbps", "ratio_vs_tcp", "gloo_seconds", "ratio_vs_gloo"):
             assert _positive(row[field]), (field, row)
+
+
+def _bench(tmp_path, *args: str) -> list | dict:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(cli, ["bench", *args, f"--json={out}"])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_adam_bench_times_the_shards_update_and_the_per_part_one(tmp_path):
+    rows = _bench(tmp_path, "adam", "--params=300000", "--part-size=0.25", "--steps=2", "--device=cpu")
+    assert [r["path"] for r in rows] == ["shard", "per-part"]
+    for row in rows:
+        assert row["kernels"] == "fused" and row["params"] == 300000 and row["device"] == "cpu"
+        for field in ("seconds", "gbps", "copy_gbps", "ratio_vs_copy"):
+            assert _positive(row[field]), (field, row)
+
+
+def test_step_bench_breaks_a_real_step_down(tmp_path):
+    b = _bench(tmp_path, "step", "--model=mlp", "--dataset=digits", "--shards=1", "--steps=2", "--warmup=1")
+    assert (b["model"], b["scheme"], b["workers"], b["device"]) == ("mlp", "asgd", 2, "cpu")
+    assert b["params"] > 0 and b["steps"] == 2
+    for field in ("step_s", "compute_s", "exchange_s", "push_s", "pull_s"):
+        assert _positive(b[field]), (field, b)
+    # Medians of the step's parts: each within the median step (medians do not add exactly).
+    assert b["compute_s"] <= b["step_s"] and b["exchange_s"] <= b["step_s"]
+    assert 0 <= b["exposed_comm_fraction"] <= 1
+
+
+def test_memory_bench_reports_the_shards_peak_against_what_it_must_hold(tmp_path):
+    rows = _bench(
+        tmp_path, "memory", "--size=8", "--workers=1", "--optimizer=adam", "--op=push_pull", "--transport=shm,grpc"
+    )
+    assert sorted(r["transport"] for r in rows) == ["grpc", "shm"]
+    for row in rows:
+        # 8 MiB of parameters, two Adam moments, one push in flight.
+        assert row["expected_mib"] == 8 * (1 + 2 + 1), row
+        assert _positive(row["peak_mib"]) and _positive(row["ratio"]), row
+        assert row["peak_mib"] >= row["baseline_mib"], row

@@ -82,3 +82,52 @@ def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer(shared_memory)
             session.close()
     for name, p in reference.items():
         torch.testing.assert_close(pulled[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_pinned_segment_copies_to_and_from_the_gpu():
+    """Segment.pin page-locks the segment once; copies through it stay exact, and its views stay
+    valid after the segment (and its registration) is gone."""
+    from gradps.shared_memory import ALIGN, Segment
+
+    segment = Segment.create(1 << 22)
+    try:
+        assert segment.pin() and segment.pin() and segment.pinned
+        values = torch.randn(1 << 20, device="cuda")
+        segment.write(ALIGN, values)
+        view = segment.floats(ALIGN, values.numel())
+        assert torch.equal(view.cuda(), values)
+        back = torch.empty_like(values)
+        back.copy_(view)
+        assert torch.equal(back, values)
+    finally:
+        segment.unlink()
+    del segment
+    assert torch.equal(view.cuda(), values)
+
+
+def test_a_cuda_worker_and_shard_pin_their_segments():
+    """The worker pins its segment when GPU tensors first use it (the shard pins its mapping)."""
+    from client.local_cluster import LocalCluster
+    from client.sdk import Client
+    from gpu_worker.ps_client import ParameterClient, tensor_specs
+    from gpu_worker.session import WorkerSession
+    from gradps.v1 import tensor_pb2
+
+    none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
+    tensors = {"w": torch.randn(1000, device="cuda")}
+    with LocalCluster(shards=1, workers=0, device="cuda") as cluster:
+        with Client(cluster.address) as client:
+            client.submit(run_pb2.RunSpec(scheme="asgd", workers=1, steps=2))
+        session = WorkerSession(cluster.address)
+        try:
+            run_id = session.wait_for_assignment(wait_s=10).run_id
+            placement = session.placement(run_id, tensor_specs(tensors), total_steps=2)
+            ps = ParameterClient(placement, run_id, session.worker_id, none, none, timeout_s=30)
+            ps.register(tensors)
+            segment = ps._areas[0][0].segment
+            assert segment.pinned is None  # not before GPU tensors use it
+            ps.push({"w": torch.ones(1000, device="cuda")}, 0)
+            assert segment.pinned
+            ps.close()
+        finally:
+            session.close()

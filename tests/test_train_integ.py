@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from client.local_cluster import LocalCluster
 from client.report import follow
@@ -157,7 +158,10 @@ def test_cli_errors_are_one_line():
         (["train"], "give exactly one of --local or --coordinator"),
         (["train", "--local", "--codec", "zip"], "unknown codec"),
         (["train", "--local", "--straggler", "x"], "RANK:FACTOR"),
+        (["train", "--local", "--device", "tpu"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["up", "--device", "cuda"], "--device cuda but no CUDA device is visible"))
     for args, words in cases:
         r = subprocess.run(
             [sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, env=env, timeout=60

@@ -20,6 +20,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from gradps.device import device_option
+
 if TYPE_CHECKING:
     import torch
 
@@ -94,11 +96,10 @@ def measure_adam(
     """Time the update of `n_params` float32 parameters cut into parts of `part_mib`."""
     import torch
 
-    from gradps.device import resolve_device
     from gradps.v1 import run_pb2
     from ps_server.optimizer import ScheduledOptimizer, ShardOptimizer, kernels
 
-    device = resolve_device(device_name)
+    device = torch.device(device_name)
     part_count = max(1, int(part_mib * MiB) // 4)
     counts = [min(part_count, n_params - o) for o in range(0, n_params, part_count)]
     spec = run_pb2.OptimizerSpec(name=optimizer, lr=1e-3)
@@ -161,7 +162,7 @@ def print_rows(rows: list[AdamRow], console: Console) -> None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--params", "n_params", default=100_000_000, type=click.IntRange(min=1), help="Parameters.")
 @click.option("--part-size", "part_mib", default=4.0, type=click.FloatRange(min=0.001), help="Part size, MiB.")
-@click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
+@device_option("Where the update runs (auto: CUDA when present).")
 @click.option("--optimizer", default="adam", type=click.Choice(sorted(_TRAFFIC)))
 @click.option("--steps", default=5, type=click.IntRange(min=1), help="Timed updates (median reported).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")

@@ -20,6 +20,7 @@ from rich.table import Table
 from client.local_cluster import LocalCluster
 from client.sdk import Client
 from gradps.codecs import parse_codec
+from gradps.device import device_option
 from gradps.v1 import run_pb2
 
 # Per-step fields, in seconds, that a worker reports (see StepBreakdown).
@@ -37,6 +38,8 @@ class StepBreakdown:
     shards: int
     batch_size: int
     codec: str
+    # Where the workers and shards computed.
+    device: str
     params: int
     # Whole step: forward + backward + the exchange with the shards.
     step_s: float
@@ -62,7 +65,7 @@ class StepBreakdown:
     steps: int
 
 
-def _worker_main(index: int, coordinator: str, warmup: int, results: mp.Queue) -> None:
+def _worker_main(index: int, coordinator: str, warmup: int, device: str, results: mp.Queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -73,7 +76,7 @@ def _worker_main(index: int, coordinator: str, warmup: int, results: mp.Queue) -
     from gradps.models import build_model
 
     torch.set_num_threads(1)
-    session = WorkerSession(coordinator, name=f"step-bench-{index}")
+    session = WorkerSession(coordinator, name=f"step-bench-{index}", device=device)
     try:
         assignment = None
         while assignment is None:
@@ -81,7 +84,9 @@ def _worker_main(index: int, coordinator: str, warmup: int, results: mp.Queue) -
         spec = assignment.spec
         dataset = load_dataset(spec.dataset, spec.dataset_size, spec.seed)
         torch.manual_seed(spec.seed)
-        model = build_model(spec.model, dataset)
+        model = build_model(spec.model, dataset).to(device)
+        # GPU work is asynchronous: wait for it where the step is cut into parts.
+        synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         sampler = ShardSampler(len(dataset.train_x), assignment.rank, assignment.world, spec.batch_size, spec.seed)
         trainer = Trainer(model, session, assignment, spec.steps, evaluate=None, report_every=10**9)
         traffic = trainer.client.traffic
@@ -91,11 +96,14 @@ def _worker_main(index: int, coordinator: str, warmup: int, results: mp.Queue) -
         for step in range(spec.steps):
             began = time.perf_counter()
             idx = sampler.next_batch()
-            loss = compute_loss(model, dataset.train_x[idx], dataset.train_y[idx], dataset.task)
+            x, y = dataset.train_x[idx].to(device), dataset.train_y[idx].to(device)
+            loss = compute_loss(model, x, y, dataset.task)
             loss.backward()
+            synchronize()
             computed = time.perf_counter()
             before = dict(vars(traffic))
             trainer.step(loss.item(), len(idx))
+            synchronize()
             ended = time.perf_counter()
             if step < warmup:
                 continue
@@ -134,6 +142,7 @@ def measure_step(
     steps: int,
     warmup: int,
     codec: str,
+    device: str = "cpu",
     console: Console | None = None,
 ) -> StepBreakdown:
     """Train `warmup + steps` steps of a real run on a local cluster and break the steps down."""
@@ -150,10 +159,10 @@ def measure_step(
         optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.01, momentum=0.9),
     )
     ctx = mp.get_context("spawn")
-    with LocalCluster(shards=shards, workers=0) as cluster:
+    with LocalCluster(shards=shards, workers=0, device=device) as cluster:
         results = ctx.Queue()
         processes = [
-            ctx.Process(target=_worker_main, args=(i, cluster.address, warmup, results), daemon=True)
+            ctx.Process(target=_worker_main, args=(i, cluster.address, warmup, device, results), daemon=True)
             for i in range(workers)
         ]
         for p in processes:
@@ -161,7 +170,7 @@ def measure_step(
         with Client(cluster.address) as client:
             client.wait_for_cluster(shards, workers)
             client.submit(spec)
-        log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards")
+        log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards, on {device}")
         done: dict[int, tuple[int, list[dict]]] = {}
         deadline = time.monotonic() + 3600
         while len(done) < workers:
@@ -189,6 +198,7 @@ def measure_step(
         shards=shards,
         batch_size=batch_size,
         codec=codec,
+        device=device,
         params=next(iter(done.values()))[0],
         exposed_comm_fraction=exposed / mean["step_s"] if mean["step_s"] else 0.0,
         steps=steps,
@@ -200,7 +210,7 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
     table = Table(
         "part", "ms / step", "% of step",
         title=f"gradps bench step: {b.model} on {b.dataset}, {b.scheme}, {b.workers} workers, {b.shards} shards, "
-        f"batch {b.batch_size}, {b.params / 1e6:.1f} M params (medians of {b.steps} steps)",
+        f"batch {b.batch_size}, {b.params / 1e6:.1f} M params, {b.device} (medians of {b.steps} steps)",
     )  # fmt: skip
     rows = [
         ("step", b.step_s),
@@ -230,15 +240,16 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
 @click.option("--steps", default=5, type=click.IntRange(min=1), help="Measured steps per worker.")
 @click.option("--warmup", default=2, type=click.IntRange(min=0), help="Steps before measuring.")
 @click.option("--codec", default="none", help="Gradient codec.")
+@device_option("Where the workers and shards compute (auto: CUDA when present).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the result here.")
-def step(model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, json_path) -> None:
+def step(model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, json_path) -> None:
     """Time of one training step: compute, encode, push, wait, pull, decode, apply; overlap."""
     try:
         parse_codec(codec)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--codec") from None
     console = Console(stderr=True)
-    b = measure_step(model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, console)
+    b = measure_step(model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, console)
     print_breakdown(b, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import TRANSPORTS, BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 from gradps.codecs import parse_codec
+from gradps.device import device_option
 
 MiB = 1 << 20
 # By default a round moves at least this many bytes per worker (small sizes repeat in a round).
@@ -38,6 +39,9 @@ class Row:
     codec: str
     # Where payloads travel: "shm" (shared memory; the calls still go through gRPC) or "grpc".
     transport: str
+    # Where the workers' tensors and the shards' parts live ("cuda": payloads cross the PCIe bus
+    # too; the TCP and gloo references stay on the host).
+    device: str
     part_mib: float
     # Seconds per iteration (push + pull) with all workers running at once.
     seconds: float
@@ -72,6 +76,7 @@ def measure_transport(
     warmup: int = 2,
     part_size: int = 4 * MiB,
     round_mib: float = ROUND_MIB,
+    device: str = "cpu",
     console: Console | None = None,
 ) -> list[Row]:
     """Every (op, size, shards, workers, codec) combination. Each gRPC round runs right after a
@@ -85,7 +90,7 @@ def measure_transport(
     glooes = {w: GlooReference(w) for w in sorted({w for w in workers_list if w > 1})}
     try:
         for n_shards in shards_list:
-            with LocalCluster(shards=n_shards, workers=0) as cluster:
+            with LocalCluster(shards=n_shards, workers=0, device=device) as cluster:
                 with BenchWorkers(cluster.address, max(workers_list)) as bench_workers:
                     for op, w in ops:
                         for codec, transport, size_mib in itertools.product(codecs, transports, sizes_mib):
@@ -106,6 +111,7 @@ def measure_transport(
                                     warmup,
                                     part_size,
                                     round_mib,
+                                    device,
                                 )  # fmt: skip
                             )
     finally:
@@ -130,11 +136,12 @@ def _measure_one(
     warmup: int,
     part_size: int,
     round_mib: float,
+    device: str,
 ) -> Row:
     size = int(size_mib * MiB)
     n = _iters(size, round_mib * MiB)
     run_id = submit_run(address, op, workers, codec, part_size, warmup + rounds * n + 1)
-    bench_workers.start(Job(run_id, op, size_mib, codec, warmup, rounds, n, transport), workers)
+    bench_workers.start(Job(run_id, op, size_mib, codec, warmup, rounds, n, transport, device), workers)
     grpc_s, tcp_s, gloo_s = [], [], []
     for _ in range(rounds):
         tcp_s.append(tcp.round(size, n))
@@ -153,6 +160,7 @@ def _measure_one(
         workers=workers,
         codec=codec,
         transport=transport,
+        device=device,
         part_mib=part_size / MiB,
         seconds=seconds,
         gbps=moved / seconds / 1e9,
@@ -179,7 +187,7 @@ def print_rows(rows: list[Row], console: Console) -> None:
             str(r.shards),
             str(r.workers),
             r.codec,
-            r.transport,
+            r.transport if r.device == "cpu" else f"{r.transport} {r.device}",
             f"{r.seconds * 1e3:.1f}",
             f"{r.gbps:.2f}",
             f"{r.tcp_gbps:.2f}",
@@ -245,8 +253,11 @@ def _transports(ctx, param, value: str) -> tuple[str, ...]:
 @click.option(
     "--round-mib", default=ROUND_MIB, type=click.FloatRange(min=0, min_open=True), help="Least MiB a round moves."
 )
+@device_option("Where the workers' tensors and the shards' parts live.", default="cpu")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
-def transport(sizes, shards_list, workers_list, codecs, transports, rounds, part_size, round_mib, json_path) -> None:
+def transport(
+    sizes, shards_list, workers_list, codecs, transports, rounds, part_size, round_mib, device, json_path
+) -> None:
     """Push + pull through real shard processes beside loopback TCP and gloo all_reduce."""
     if any(s <= 0 for s in sizes):
         raise click.BadParameter("sizes must be positive", param_hint="--sizes")
@@ -260,6 +271,7 @@ def transport(sizes, shards_list, workers_list, codecs, transports, rounds, part
         rounds=rounds,
         part_size=int(part_size * MiB),
         round_mib=round_mib,
+        device=device,
         console=console,
     )
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))

@@ -35,6 +35,8 @@ class Job:
     iters: int
     # Payloads in shared memory ("shm") or in the gRPC messages ("grpc").
     transport: str = "shm"
+    # Where the worker's parameters and gradients live.
+    device: str = "cpu"
 
 
 def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queue) -> None:
@@ -51,8 +53,8 @@ def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queu
         assignment = session.wait_for_assignment(wait_s=5.0)
     n = int(job.size_mib * MiB) // 4
     generator = torch.Generator().manual_seed(index)
-    params = {"params": torch.randn(n, generator=generator)}
-    grads = {"params": torch.randn(n, generator=generator) * 1e-3}
+    params = {"params": torch.randn(n, generator=generator).to(job.device)}
+    grads = {"params": (torch.randn(n, generator=generator) * 1e-3).to(job.device)}
     total = job.warmup + job.rounds * job.iters + 1
     placement = session.placement(job.run_id, tensor_specs(params), total)
     none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
@@ -114,7 +116,8 @@ def _worker_main(index: int, coordinator: str, commands: mp.Queue, results: mp.Q
 def submit_run(
     address: str, op: str, workers: int, codec: str, part_size: int, steps: int, optimizer: str = "sgd"
 ) -> str:
-    """Submit the run a Job runs in: asgd for push_pull, sync for sync_step; returns its id."""
+    """Submit the run a Job runs in, once every worker is idle: asgd for push_pull, sync for
+    sync_step; returns its id."""
     from client.sdk import Client
     from gradps.codecs import parse_codec
     from gradps.v1 import run_pb2
@@ -129,6 +132,13 @@ def submit_run(
         optimizer=run_pb2.OptimizerSpec(name=optimizer, lr=0.01),
     )
     with Client(address) as client:
+        # The coordinator gives a run the lowest idle ids, and BenchWorkers starts the job on those:
+        # a worker still leaving the previous run would make it pick another one.
+        deadline = time.monotonic() + 60
+        while any(w.alive and w.run_id for w in client.cluster().workers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("bench workers still busy with an earlier run after 60 s")
+            time.sleep(0.02)
         return client.submit(spec)
 
 
