@@ -143,9 +143,11 @@ class Segment:
             if self.pinned is None:
                 self.pinned = False
                 if torch.cuda.is_available():
+                    # As torch pins shared memory itself (torch/cuda/_pin_memory_utils.py):
+                    # cudaHostRegisterPortable, so every CUDA context of the process sees it.
                     cudart = torch.cuda.cudart()
                     address = self._bytes.ctypes.data
-                    if cudart.cudaHostRegister(address, self.size, 0) == cudart.cudaError.success:
+                    if int(cudart.cudaHostRegister(address, self.size, 1)) == 0:
                         weakref.finalize(self, cudart.cudaHostUnregister, address)
                         self.pinned = True
             return self.pinned

@@ -94,6 +94,9 @@ def _worker_main(index: int, coordinator: str, warmup: int, device: str, results
         model.train()
         records = []
         for step in range(spec.steps):
+            # Calls that end within this step count for it: a background exchange (asgd) ends
+            # while the next step computes.
+            before = dict(vars(traffic))
             began = time.perf_counter()
             idx = sampler.next_batch()
             x, y = dataset.train_x[idx].to(device), dataset.train_y[idx].to(device)
@@ -101,7 +104,6 @@ def _worker_main(index: int, coordinator: str, warmup: int, device: str, results
             loss.backward()
             synchronize()
             computed = time.perf_counter()
-            before = dict(vars(traffic))
             trainer.step(loss.item(), len(idx))
             synchronize()
             ended = time.perf_counter()
