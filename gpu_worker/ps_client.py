@@ -38,7 +38,7 @@ class Traffic:
     pushes: int = 0
     staleness_sum: float = 0.0
     staleness_max: int = 0
-    # Seconds inside pull/push calls (waiting on the servers and the wire).
+    # Seconds inside push, pull and group-average calls (waiting on the servers and the wire).
     wait_s: float = 0.0
     # Of which: encoding gradients and decoding weights (summed over the shards' threads, so they
     # may overlap each other and the wire), and wall time of push and pull calls.
@@ -46,6 +46,8 @@ class Traffic:
     decode_s: float = 0.0
     push_s: float = 0.0
     pull_s: float = 0.0
+    # Wall time of wagma's group_average calls (deposit and average).
+    average_s: float = 0.0
 
 
 @dataclass
@@ -358,33 +360,63 @@ class ParameterClient:
     ) -> tuple[dict[str, torch.Tensor], int]:
         """wagma: deposit `values` for the round (step, members); returns the round's average and
         the highest step any worker has deposited (a late worker skips to it)."""
-        flat = {name: t.detach().reshape(-1).float().cpu() for name, t in values.items()}
+        flat = {name: t.detach().reshape(-1).float() for name, t in values.items()}
         average = {name: torch.empty_like(t) for name, t in values.items()}
         out = {name: t.view(-1) for name, t in average.items()}
+        self._pin_segments(flat.values())
         start = time.perf_counter()
 
         def exchange(shard: int) -> tuple[int, int, int]:
+            # The deposit goes through the shard's push area and the average comes back through
+            # its pull area where this worker has them; otherwise in the messages.
+            with self._claim(shard, 0) as deposit_area, self._claim(shard, 1) as average_area:
+                return exchange_through(shard, deposit_area, average_area)
+
+        def exchange_through(
+            shard: int, deposit_area: _Area | None, average_area: _Area | None
+        ) -> tuple[int, int, int]:
             def request() -> shard_pb2.GroupAverageRequest:
                 return shard_pb2.GroupAverageRequest(
                     run_id=self.run_id, worker_id=self.worker_id, step=step, members=members, is_global=is_global
                 )
 
-            # Small parts travel together, up to wire.BATCH_BYTES a message; a large one alone.
+            # Shared and small parts travel together, up to wire.BATCH_BYTES a message; a large
+            # inline one alone.
             messages, batch, deposited = [], wire.PartBatch(request), 0
+            cursor = deposit_area.offset if deposit_area else 0
             for p in self._parts_by_shard[shard]:
-                payload = flat[p.name][p.offset : p.offset + p.count].numpy().tobytes()
-                deposited += len(payload)
-                if len(payload) > wire.SMALL_PAYLOAD:
-                    messages.append(request())
-                    self._part_message(p, payload, False, out=messages[-1].part)
-                elif (full := batch.add(self._part_message(p, b"", False), payload)) is not None:
+                values = flat[p.name][p.offset : p.offset + p.count]  # the shard checks them
+                size = 4 * p.count
+                deposited += size
+                if deposit_area is not None and cursor + size <= deposit_area.end:
+                    deposit_area.segment.write(cursor, values)
+                    meta = self._part_message(p, b"", False)
+                    shared = meta.shared
+                    shared.segment, shared.offset, shared.length = deposit_area.segment.name, cursor, size
+                    cursor += aligned(size)
+                    full = batch.add(meta)
+                else:
+                    payload = values.cpu().numpy().tobytes()
+                    if size > wire.SMALL_PAYLOAD:
+                        messages.append(request())
+                        self._part_message(p, payload, False, out=messages[-1].part)
+                        continue
+                    full = batch.add(self._part_message(p, b"", False), payload)
+                if full is not None:
                     messages.append(full)
             if (rest := batch.take()) is not None:
                 messages.append(rest)
+            if average_area is not None and messages:  # the shard reads it from the first message
+                into = messages[0].into
+                into.segment, into.offset, into.length = (
+                    average_area.segment.name,
+                    average_area.offset,
+                    average_area.length,
+                )
             frontier, received = 0, 0
             for response in self._stubs[shard].GroupAverage(iter(messages), timeout=self.timeout_s):
                 for part in wire.parts_of(response):
-                    payload = part.payload  # read once: every read of a bytes field copies it
+                    payload = _shared_payload(average_area, part.shared) if part.HasField("shared") else part.payload
                     copy_part_into(out[part.name][part.offset : part.offset + part.count], part, payload)
                     frontier = max(frontier, part.version)
                     received += len(payload)
@@ -393,7 +425,9 @@ class ParameterClient:
         results = self._each_shard(exchange)
         self.traffic.bytes_pushed += sum(r[1] for r in results)
         self.traffic.bytes_pulled += sum(r[2] for r in results)
-        self.traffic.wait_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.traffic.average_s += elapsed
+        self.traffic.wait_s += elapsed
         return average, max((r[0] for r in results), default=0)
 
     def _part_message(

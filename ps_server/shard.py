@@ -218,8 +218,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                             grpc.StatusCode.INVALID_ARGUMENT,
                             f"part {msg.name}/{msg.index} has a payload and a shared one",
                         )
-                    segment = self._segment(run, request.worker_id, msg.shared.segment, context)
-                    payload = _region(segment, msg.shared.offset, msg.shared.length, context)
+                    payload = self._payload(run, request.worker_id, msg, context)
                 # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
                 try:
                     grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
@@ -292,10 +291,15 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         run = None
         deposit: dict[PartKey, torch.Tensor] = {}
         header = None
+        into = None
         for request in request_iterator:
             if run is None:
                 run, rule = self._run(request.run_id, context)
                 header = (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global)
+                if request.HasField("into"):  # checked before any wait, like a pull's
+                    segment = self._segment(run, request.worker_id, request.into.segment, context)
+                    _region(segment, request.into.offset, request.into.length, context)
+                    into = _RegionWriter(segment, request.into.offset, request.into.length)
             elif (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global) != header:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
             parts = wire.parts_of(request)
@@ -303,7 +307,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a GroupAverageRequest without a part")
             for msg in parts:
                 part = self._part(run, msg, context)
-                deposit[part.key] = self._decode(part, msg, context)
+                payload = self._payload(run, request.worker_id, msg, context)
+                try:
+                    deposit[part.key] = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
+                except CodecError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
         if run is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty deposit")
         _, worker_id, step, members, is_global = header
@@ -315,17 +323,23 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             except PushRejected as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             run.cond.notify_all()
-            # Encoded under the lock: a round's result is fixed, but the bytes are the snapshot.
-            replies = [
-                (run.parts[key], encode_part(avg.cpu(), _NONE, lz4_threshold=None)[0]) for key, avg in averages.items()
-            ]
-        # Small parts leave together, up to wire.BATCH_BYTES a message; a large one alone.
+            # Copied under the lock, into the worker's region or into bytes: a round's result is
+            # fixed, but the copy is the snapshot.
+            replies = []
+            for key, avg in averages.items():
+                part = run.parts[key]
+                meta = tensor_pb2.TensorPart(
+                    name=key[0], index=key[1], offset=part.offset, count=part.count, version=frontier
+                )
+                meta.dtype, meta.codec.codec = tensor_pb2.DTYPE_FLOAT32, tensor_pb2.CODEC_NONE
+                if into is not None and (region := into.put(avg)) is not None:
+                    meta.shared.CopyFrom(region)
+                    replies.append((meta, b""))
+                else:
+                    replies.append((meta, encode_part(avg.cpu(), _NONE, lz4_threshold=None)[0]))
+        # Shared and small parts leave together, up to wire.BATCH_BYTES a message; a large one alone.
         batch = wire.PartBatch(shard_pb2.GroupAverageResponse)
-        for part, payload in replies:
-            meta = tensor_pb2.TensorPart(
-                name=part.key[0], index=part.key[1], offset=part.offset, count=part.count, version=frontier
-            )
-            meta.dtype, meta.codec.codec = tensor_pb2.DTYPE_FLOAT32, tensor_pb2.CODEC_NONE
+        for meta, payload in replies:
             if len(payload) > wire.SMALL_PAYLOAD:
                 # Fields set in place: GroupAverageResponse(part=...) would copy the payload again.
                 response = shard_pb2.GroupAverageResponse()
@@ -365,11 +379,18 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         return segment
 
-    def _decode(self, part: Part, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> torch.Tensor:
-        try:
-            return decode_part(msg.payload, msg.lz4, msg.codec, part.count, self.device)
-        except CodecError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
+    def _payload(
+        self, run: RunState, worker_id: int, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext
+    ) -> wire.Buffer:
+        """A part's payload: its bytes, or the region of the worker's segment it names."""
+        if not msg.HasField("shared"):
+            return msg.payload
+        if msg.payload:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index} has a payload and a shared one"
+            )
+        segment = self._segment(run, worker_id, msg.shared.segment, context)
+        return _region(segment, msg.shared.offset, msg.shared.length, context)
 
 
 def _region(segment: Segment, offset: int, length: int, context: grpc.ServicerContext) -> memoryview:

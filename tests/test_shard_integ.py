@@ -272,14 +272,16 @@ def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, shared_memory)
         leave(sessions, clients)
 
 
-def test_a_group_average_moves_large_and_batched_small_parts(shards_only):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
+def test_a_group_average_moves_large_and_batched_small_parts(shards_only, shared_memory):
     # One large part per shard at most (1 MiB parts) and many small ones (batched, > 4 MiB per shard).
     torch.manual_seed(3)
     tensors = {"big": torch.randn(3 << 18)} | {f"s{i}": torch.randn(50_000) for i in range(90)}
     spec = run_pb2.RunSpec(scheme="wagma", workers=1, steps=100, part_size=1 << 20)
-    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, shared_memory=shared_memory)
     try:
         client = clients[0]
+        assert client.shared_shards == ([0, 1, 2] if shared_memory else [])
         client.register(tensors)
         average, frontier = client.group_average(tensors, step=3, members=[sessions[0].worker_id], is_global=False)
         assert frontier == 3

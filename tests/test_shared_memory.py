@@ -203,3 +203,64 @@ def test_bad_segments_and_regions_are_rejected_and_change_nothing(shards_only):
         for segment in segments:
             segment.unlink()
         leave(sessions, clients)
+
+
+def test_a_group_average_through_shared_memory(shards_only):
+    """wagma's deposit and average through the worker's segment, and bad regions rejected."""
+    tensors = {"w": torch.randn(1000)}
+    spec = run_pb2.RunSpec(scheme="wagma", workers=2, steps=100)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, n_workers=2)
+    mine, theirs = sessions[0].worker_id, sessions[1].worker_id
+    (p,) = placement.parts
+    seg, other = Segment.create(16384), Segment.create(16384)
+    size = 4 * p.count
+    try:
+        clients[0].register(tensors)
+        with open_channel(placement.shards[p.shard]) as channel:
+            stub = shard_pb2_grpc.ShardServiceStub(channel)
+            for segment, worker in ((seg, mine), (other, theirs)):
+                stub.MapSegment(
+                    shard_pb2.MapSegmentRequest(
+                        run_id=run_id, worker_id=worker, segment=segment.name, token=segment.token
+                    )
+                )
+            seg.floats(ALIGN, p.count).copy_(tensors["w"])
+
+            def region(segment: Segment = seg, offset: int = ALIGN, length: int = size):
+                return tensor_pb2.SharedRegion(segment=segment.name, offset=offset, length=length)
+
+            def average(deposit: tensor_pb2.SharedRegion, into: tensor_pb2.SharedRegion, step: int = 1):
+                part = tensor_pb2.TensorPart(
+                    name="w", index=0, offset=p.offset, count=p.count, dtype=tensor_pb2.DTYPE_FLOAT32, codec=NONE
+                )
+                part.shared.CopyFrom(deposit)
+                request = shard_pb2.GroupAverageRequest(run_id=run_id, worker_id=mine, step=step, members=[mine])
+                request.parts.append(part)
+                request.into.CopyFrom(into)
+                return list(stub.GroupAverage(iter([request])))
+
+            def rejected(call, code: grpc.StatusCode, words: str) -> None:
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == code, err.value.details()
+                assert words in err.value.details() and "\n" not in err.value.details()
+
+            into = region(offset=ALIGN + 8192)
+            invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+            rejected(lambda: average(region(), region(other, offset=ALIGN + 8192)), precondition, "not mapped for")
+            rejected(lambda: average(region(), region(offset=seg.size)), invalid, "not an aligned range")
+            rejected(lambda: average(region(other), into), precondition, "not mapped for worker")
+            rejected(lambda: average(region(offset=ALIGN + 4), into), invalid, "not an aligned range")
+            seg.floats(ALIGN + 4096, p.count).copy_(tensors["w"])
+            seg.floats(ALIGN + 4096, 1).fill_(float("nan"))
+            rejected(lambda: average(region(offset=ALIGN + 4096), into), invalid, "NaN")
+            # The average of one member's deposit is the deposit, written into its region.
+            (response,) = average(region(), into)
+            (part,) = response.parts
+            assert part.shared.offset == ALIGN + 8192 and part.shared.length == size and not part.payload
+            assert part.version == 1
+            assert torch.equal(seg.floats(ALIGN + 8192, p.count), tensors["w"])
+    finally:
+        seg.unlink()
+        other.unlink()
+        leave(sessions, clients)

@@ -24,7 +24,18 @@ from gradps.device import device_option
 from gradps.v1 import run_pb2
 
 # Per-step fields, in seconds, that a worker reports (see StepBreakdown).
-_FIELDS = ("step_s", "compute_s", "exchange_s", "encode_s", "push_s", "wait_s", "pull_s", "decode_s", "apply_s")
+_FIELDS = (
+    "step_s",
+    "compute_s",
+    "exchange_s",
+    "encode_s",
+    "push_s",
+    "wait_s",
+    "pull_s",
+    "decode_s",
+    "average_s",
+    "apply_s",
+)
 
 
 @dataclass
@@ -53,6 +64,8 @@ class StepBreakdown:
     push_s: float
     pull_s: float
     decode_s: float
+    # wagma's group-average calls (its exchange: deposit the model, receive the group's average).
+    average_s: float
     # push + pull wall time not spent encoding or decoding: the wire and the shards (which apply
     # the update before a sync pull returns).
     wait_s: float
@@ -110,7 +123,7 @@ def _worker_main(index: int, coordinator: str, warmup: int, device: str, results
             if step < warmup:
                 continue
             d = {k: v - before[k] for k, v in vars(traffic).items() if k.endswith("_s")}
-            calls = d["push_s"] + d["pull_s"]
+            calls = d["push_s"] + d["pull_s"] + d["average_s"]
             exchange = ended - computed
             records.append(
                 {
@@ -121,6 +134,7 @@ def _worker_main(index: int, coordinator: str, warmup: int, device: str, results
                     "push_s": d["push_s"],
                     "pull_s": d["pull_s"],
                     "decode_s": d["decode_s"],
+                    "average_s": d["average_s"],
                     "wait_s": max(0.0, calls - d["encode_s"] - d["decode_s"]),
                     "apply_s": max(0.0, exchange - calls),
                     "overlap_s": max(0.0, calls - exchange),
@@ -191,7 +205,7 @@ def measure_step(
         {k: statistics.median(r[k] for r in records) for k in (*_FIELDS, "overlap_s")} for _, records in done.values()
     ]
     mean = {k: statistics.mean(w[k] for w in per_worker) for k in per_worker[0]}
-    exposed = mean["push_s"] + mean["pull_s"] - mean["overlap_s"]
+    exposed = mean["push_s"] + mean["pull_s"] + mean["average_s"] - mean["overlap_s"]
     return StepBreakdown(
         model=model,
         dataset=dataset,
@@ -222,6 +236,7 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
         ("      encode", b.encode_s),
         ("    pull call", b.pull_s),
         ("      decode", b.decode_s),
+        ("    group average call (wagma)", b.average_s),
         ("    wait (in calls, not coding: wire + shards)", b.wait_s),
         ("    apply (local update, outside calls)", b.apply_s),
         ("communication overlapped with compute", b.overlap_s),

@@ -159,7 +159,7 @@ class PushResponse(_message.Message):
     def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class GroupAverageRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts")
+    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class GroupAverageRequest(_message.Message):
     IS_GLOBAL_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    INTO_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -174,7 +175,8 @@ class GroupAverageRequest(_message.Message):
     is_global: bool
     part: _tensor_pb2.TensorPart
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
+    into: _tensor_pb2.SharedRegion
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ...) -> None: ...
 
 class GroupAverageResponse(_message.Message):
     __slots__ = ("part", "parts")

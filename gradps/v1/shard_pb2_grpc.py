@@ -131,10 +131,11 @@ class ShardServiceServicer:
 
     def MapSegment(self, request, context):
         """Worker -> shard: map a shared-memory segment the worker created on this host, so that its
-        pushes and pulls of this run can carry payloads in it (TensorPart.shared, PullRequest.into)
-        instead of through the socket. FAILED_PRECONDITION when the shard cannot open it (another
-        host or container): the worker then sends payloads inline. The shard unmaps a worker's
-        segments when the run closes or the worker leaves it.
+        pushes, pulls and group averages of this run can carry payloads in it (TensorPart.shared,
+        PullRequest.into, GroupAverageRequest.into) instead of through the socket.
+        FAILED_PRECONDITION when the shard cannot open it (another host or container): the worker
+        then sends payloads inline. The shard unmaps a worker's segments when the run closes or the
+        worker leaves it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
