@@ -279,6 +279,35 @@ def test_error_feedback_conserves_the_gradient_sum(text: str) -> None:
     assert float(residual.abs().max()) < float(grads.abs().max()) + 60 * 3
 
 
+def _fused_matches_plain(values: torch.Tensor, text: str) -> None:
+    fused, plain = values.clone(), values.clone()
+    codec = codec_for(text, seed=3)
+    try:
+        plain_payload = codec.encode(plain)
+    except CodecError:
+        with pytest.raises(CodecError):
+            codec_for(text, seed=3).encode_subtract(fused)
+        return
+    codec.add_decoded(plain_payload, plain, alpha=-1.0)
+    assert codec_for(text, seed=3).encode_subtract(fused) == plain_payload
+    assert torch.equal(fused, plain)
+
+
+@NO_DEADLINE
+@given(array=float32_arrays(max_size=3000), stochastic=st.booleans())
+def test_int8_encode_subtract_is_encode_then_subtract_the_decoded(array, stochastic) -> None:
+    """The fused pass gives the payload and the residual bit for bit that encode and
+    add_decoded(alpha=-1) give."""
+    _fused_matches_plain(torch.from_numpy(array), "int8:stochastic" if stochastic else "int8")
+
+
+@pytest.mark.parametrize("text", ["int8", "int8:stochastic"])
+def test_int8_encode_subtract_across_chunks(text) -> None:
+    """Parts longer than the 1 << 18 values the fused pass handles at a time."""
+    generator = torch.Generator().manual_seed(5)
+    _fused_matches_plain(torch.randn((1 << 19) + 3, generator=generator) * 1e-3, text)
+
+
 def test_error_feedback_keys_are_independent_and_reset() -> None:
     codec = codec_for("topk:0.5")
     feedback = ErrorFeedback()

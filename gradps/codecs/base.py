@@ -54,6 +54,17 @@ class Codec(abc.ABC):
 
         Raises CodecError when the values contain NaN/Inf or do not fit the codec.
         """
+        return self._encode(values.detach(), self._peak(values))
+
+    def encode_subtract(self, values: torch.Tensor) -> bytes:
+        """`encode(values)`, leaving values - decode(payload) in `values`: what error feedback
+        keeps. A codec may do both in one pass over memory (int8 does)."""
+        payload = self.encode(values)
+        self.add_decoded(payload, values, alpha=-1.0)
+        return payload
+
+    def _peak(self, values: torch.Tensor) -> float:
+        """max |value| of a tensor `encode` accepts; TypeError, ValueError or CodecError if not."""
         if values.dtype != torch.float32 or values.dim() != 1 or values.device.type != "cpu":
             raise TypeError(
                 f"{self.name}: encode takes a 1-D float32 CPU tensor, got {values.dtype} "
@@ -62,7 +73,7 @@ class Codec(abc.ABC):
         if not values.is_contiguous():
             raise ValueError(f"{self.name}: encode takes a contiguous tensor")
         low, high = check_finite(values, f"{self.name}: values to encode")
-        return self._encode(values.detach(), max(-low, high))
+        return max(-low, high)
 
     def decode(self, payload: Buffer, count: int, device: torch.device | str) -> torch.Tensor:
         """Decode `payload` into a new 1-D float32 tensor of `count` elements on `device`.

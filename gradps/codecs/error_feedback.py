@@ -42,9 +42,8 @@ class ErrorFeedback:
             )
         else:
             corrected = residual.add_(flat)  # reuse the residual's buffer for g + e
-        payload = codec.encode(corrected)
-        # corrected - transmitted, in place; sparse codecs touch only the k sent elements.
-        codec.add_decoded(payload, corrected, alpha=-1.0)
+        # corrected - transmitted, left in place; sparse codecs touch only the k sent elements.
+        payload = codec.encode_subtract(corrected)
         self._residuals[key] = corrected
         return payload
 

@@ -36,7 +36,12 @@ class Int8Codec(Codec):
     def max_payload_bytes(self, count: int) -> int:
         return 4 + count
 
-    def _encode(self, values: torch.Tensor, peak: float) -> bytes:
+    def encode_subtract(self, values: torch.Tensor) -> bytes:
+        # Quantized and subtracted chunk by chunk while the chunk is in cache: one pass over
+        # memory instead of encoding, then decoding into a full-size tensor and subtracting it.
+        return self._encode(values.detach(), self._peak(values), subtract=True)
+
+    def _encode(self, values: torch.Tensor, peak: float, subtract: bool = False) -> bytes:
         count = values.numel()
         out = np.empty(4 + count, dtype=np.uint8)
         scale = float(np.float32(peak / 127.0))
@@ -48,11 +53,16 @@ class Int8Codec(Codec):
             scale = 0.0
             out[4:] = 0
         else:
-            self._quantize(values.numpy(), np.float32(1.0 / scale), out[4:].view(np.int8))
+            subtract_scale = np.float32(scale) if subtract else None
+            self._quantize(values.numpy(), np.float32(1.0 / scale), out[4:].view(np.int8), subtract_scale)
         out[:4] = np.frombuffer(pack_scale(scale), dtype=np.uint8)
         return out.tobytes()
 
-    def _quantize(self, values: np.ndarray, inverse_scale: np.float32, q: np.ndarray) -> None:
+    def _quantize(
+        self, values: np.ndarray, inverse_scale: np.float32, q: np.ndarray, subtract_scale: np.float32 | None
+    ) -> None:
+        """q = quantized values; with `subtract_scale` (the scale), values -= q * scale too, in
+        float32 as decoding computes it, so the residual is exactly values - decode(payload)."""
         # numpy, not torch: encoding is CPU-only, and numpy's single-threaded loops do not stall
         # at a thread barrier per op when the (shared, 2-core) machine is busy.
         scaled_buffer = np.empty(min(_CHUNK, values.size), dtype=np.float32)
@@ -68,6 +78,8 @@ class Int8Codec(Codec):
             # x / s can exceed 127 by an ulp (s is rounded), and floor(127 + u) by one.
             np.clip(scaled, -127.0, 127.0, out=scaled)
             q[start : start + chunk.size] = scaled
+            if subtract_scale is not None:
+                np.subtract(chunk, np.multiply(scaled, subtract_scale, out=scaled), out=chunk)
 
     def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
         check_length(payload, 4 + count, self.name, count)
