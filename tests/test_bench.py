@@ -105,3 +105,20 @@ def test_memory_bench_reports_the_shards_peak_against_what_it_must_hold(tmp_path
         assert row["expected_mib"] == 8 * (1 + 2 + 1), row
         assert _positive(row["peak_mib"]) and _positive(row["ratio"]), row
         assert row["peak_mib"] >= row["baseline_mib"], row
+
+
+def test_bad_bench_options_are_one_line_usage_errors():
+    cases = [
+        (["memory", "--workers", "0"], "every value must be >= 1"),
+        (["memory", "--op", "push_pull,nope"], "unknown value 'nope': expected push_pull or sync_step"),
+        (["memory", "--optimizer", "lamb"], "unknown value 'lamb': expected sgd or adam"),
+        (["transport", "--transport", "udp"], "unknown value 'udp': expected shm or grpc"),
+        (["transport", "--sizes", "1,x"], "expected a comma-separated list"),
+        (["transport", "--codec", "zip"], "unknown codec"),
+        (["step", "--device", "tpu"], "'tpu' is not one of"),
+    ]
+    for args, words in cases:
+        result = CliRunner().invoke(cli, ["bench", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert words in result.output, (args, result.output)
+        assert "Traceback" not in result.output

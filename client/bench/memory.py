@@ -19,6 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from client.bench.options import parse_choices, parse_counts, parse_transports
 from client.bench.workers import TRANSPORTS, BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 
@@ -140,26 +141,27 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--size", "size_mib", default=64.0, type=click.FloatRange(min=0.001), help="Parameter set, MiB.")
-@click.option("--workers", "workers_list", default="1,2", help="Worker counts, comma-separated.")
-@click.option("--optimizer", "optimizers", default="sgd,adam", help="sgd and/or adam, comma-separated.")
-@click.option("--op", "ops", default="push_pull,sync_step", help="push_pull (asgd) and/or sync_step (sync).")
-@click.option("--transport", "transports", default=",".join(TRANSPORTS), help="shm and/or grpc: where payloads travel.")
+@click.option("--workers", "worker_counts", default="1,2", callback=parse_counts, help="Worker counts.")
+@click.option(
+    "--optimizer", "opt_names", default="sgd,adam", callback=parse_choices(tuple(_STATE)), help="sgd and/or adam."
+)
+@click.option(
+    "--op",
+    "op_names",
+    default="push_pull,sync_step",
+    callback=parse_choices(("push_pull", "sync_step")),
+    help="push_pull (asgd) and/or sync_step (sync).",
+)
+@click.option(
+    "--transport",
+    "transport_names",
+    default=",".join(TRANSPORTS),
+    callback=parse_transports,
+    help="shm and/or grpc: where payloads travel.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
-def memory(size_mib, workers_list, optimizers, ops, transports, json_path) -> None:
+def memory(size_mib, worker_counts, opt_names, op_names, transport_names, json_path) -> None:
     """Shard peak memory vs params + optimizer state + one in-flight push per worker."""
-    try:
-        worker_counts = [int(w) for w in workers_list.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"expected integers, got {workers_list!r}", param_hint="--workers") from None
-    opt_names = [o.strip() for o in optimizers.split(",")]
-    op_names = [o.strip() for o in ops.split(",")]
-    if bad := [o for o in opt_names if o not in ("sgd", "adam")]:
-        raise click.BadParameter(f"unknown optimizer {bad[0]!r}", param_hint="--optimizer")
-    if bad := [o for o in op_names if o not in ("push_pull", "sync_step")]:
-        raise click.BadParameter(f"unknown op {bad[0]!r}", param_hint="--op")
-    transport_names = [t.strip() for t in transports.split(",")]
-    if bad := [t for t in transport_names if t not in TRANSPORTS]:
-        raise click.BadParameter(f"unknown transport {bad[0]!r}: expected shm or grpc", param_hint="--transport")
     console = Console(stderr=True)
     rows = [
         measure_memory(size_mib, w, opt, op, transport, console=console)

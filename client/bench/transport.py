@@ -15,10 +15,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from client.bench.options import parse_codecs, parse_counts, parse_list, parse_transports
 from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import TRANSPORTS, BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
-from gradps.codecs import parse_codec
 from gradps.device import device_option
 
 MiB = 1 << 20
@@ -198,54 +198,16 @@ def print_rows(rows: list[Row], console: Console) -> None:
     console.print(table)
 
 
-def _csv(kind):
-    def parse(ctx, param, value: str):
-        try:
-            items = [kind(v) for v in value.split(",") if v.strip()]
-        except ValueError:
-            raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
-        if not items:
-            raise click.BadParameter("empty list")
-        return items
-
-    return parse
-
-
-def _positive_ints(ctx, param, value: str) -> list[int]:
-    items = _csv(int)(ctx, param, value)
-    if any(v < 1 for v in items):
-        raise click.BadParameter("every value must be >= 1")
-    return items
-
-
-def _codecs(ctx, param, value: str) -> list[str]:
-    items = _csv(str)(ctx, param, value)
-    for codec in items:
-        try:
-            parse_codec(codec)
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from None
-    return items
-
-
-def _transports(ctx, param, value: str) -> tuple[str, ...]:
-    items = _csv(str)(ctx, param, value)
-    unknown = [t for t in items if t not in TRANSPORTS]
-    if unknown:
-        raise click.BadParameter(f"unknown transport {unknown[0]!r}: expected shm or grpc")
-    return tuple(items)
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--sizes", default="1,16,64,256", callback=_csv(float), help="Parameter set sizes, MiB.")
-@click.option("--shards", "shards_list", default="1,2", callback=_positive_ints, help="Shard counts.")
-@click.option("--workers", "workers_list", default="1,2", callback=_positive_ints, help="Worker counts.")
-@click.option("--codec", "codecs", default="none", callback=_codecs, help="Push codecs, e.g. none,int8.")
+@click.option("--sizes", default="1,16,64,256", callback=parse_list(float), help="Parameter set sizes, MiB.")
+@click.option("--shards", "shards_list", default="1,2", callback=parse_counts, help="Shard counts.")
+@click.option("--workers", "workers_list", default="1,2", callback=parse_counts, help="Worker counts.")
+@click.option("--codec", "codecs", default="none", callback=parse_codecs, help="Push codecs, e.g. none,int8.")
 @click.option(
     "--transport",
     "transports",
     default=",".join(TRANSPORTS),
-    callback=_transports,
+    callback=parse_transports,
     help="Where payloads travel: shm (shared memory, calls over gRPC), grpc (in the messages).",
 )
 @click.option("--rounds", default=5, type=click.IntRange(min=1), help="Timed rounds per configuration.")

@@ -1,0 +1,60 @@
+"""The benches' comma-separated list options, parsed and checked by click callbacks: a bad value
+is a one-line usage error before anything starts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import click
+
+from client.bench.workers import TRANSPORTS
+from gradps.codecs import parse_codec
+
+
+def parse_list(kind: Callable) -> Callable:
+    """A callback that reads "a,b,c" as [kind(a), kind(b), kind(c)] (at least one)."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> list:
+        try:
+            items = [kind(v.strip()) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
+        if not items:
+            raise click.BadParameter("empty list")
+        return items
+
+    return parse
+
+
+def parse_counts(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """Positive integers, e.g. worker or shard counts."""
+    items = parse_list(int)(ctx, param, value)
+    if any(v < 1 for v in items):
+        raise click.BadParameter("every value must be >= 1")
+    return items
+
+
+def parse_codecs(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    """Codec strings, each one `gradps.codecs.parse_codec` accepts."""
+    items = parse_list(str)(ctx, param, value)
+    for codec in items:
+        try:
+            parse_codec(codec)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return items
+
+
+def parse_choices(allowed: Sequence[str]) -> Callable:
+    """A callback for a list whose every item is one of `allowed`."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+        items = parse_list(str)(ctx, param, value)
+        if unknown := [v for v in items if v not in allowed]:
+            raise click.BadParameter(f"unknown value {unknown[0]!r}: expected {' or '.join(allowed)}")
+        return items
+
+    return parse
+
+
+parse_transports = parse_choices(TRANSPORTS)
