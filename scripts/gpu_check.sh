@@ -65,6 +65,8 @@ step train 150 gradps train --local --device "$DEVICE" --no-progress --out /tmp/
 cp /tmp/run/summary.json "$OUT/train_summary.json" 2>/dev/null
 step step 150 gradps bench step --model resnet18 --dataset synthetic-images --scheme asgd --workers 2 \
   --device "$DEVICE" --json "$OUT/step.json"
+step step_wagma 120 gradps bench step --model resnet18 --dataset synthetic-images --scheme wagma --workers 2 \
+  --device "$DEVICE"
 step transport 200 gradps bench transport --sizes 64 --shards 1,2 --workers 1,2 --rounds 5 --device "$DEVICE" \
   --json "$OUT/transport.json"
 step transport_host 150 gradps bench transport --sizes 64 --shards 2 --workers 2 --codec none,int8 --rounds 5 \
