@@ -19,8 +19,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.options import parse_choices, parse_counts, parse_transports
-from client.bench.workers import TRANSPORTS, BenchWorkers, Job, submit_run
+from client.bench.options import parse_choices, parse_counts, transport_option
+from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 
 MiB = 1 << 20
@@ -152,15 +152,9 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
     callback=parse_choices(("push_pull", "sync_step")),
     help="push_pull (asgd) and/or sync_step (sync).",
 )
-@click.option(
-    "--transport",
-    "transport_names",
-    default=",".join(TRANSPORTS),
-    callback=parse_transports,
-    help="shm and/or grpc: where payloads travel.",
-)
+@transport_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
-def memory(size_mib, worker_counts, opt_names, op_names, transport_names, json_path) -> None:
+def memory(size_mib, worker_counts, opt_names, op_names, transports, json_path) -> None:
     """Shard peak memory vs params + optimizer state + one in-flight push per worker."""
     console = Console(stderr=True)
     rows = [
@@ -168,7 +162,7 @@ def memory(size_mib, worker_counts, opt_names, op_names, transport_names, json_p
         for op in op_names
         for opt in opt_names
         for w in worker_counts
-        for transport in transport_names
+        for transport in transports
         if not (op == "sync_step" and w < 2)
     ]
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))

@@ -58,3 +58,14 @@ def parse_choices(allowed: Sequence[str]) -> Callable:
 
 
 parse_transports = parse_choices(TRANSPORTS)
+
+
+def transport_option(fn: Callable) -> Callable:
+    """`--transport shm,grpc`, given to the command as `transports`."""
+    return click.option(
+        "--transport",
+        "transports",
+        default=",".join(TRANSPORTS),
+        callback=parse_transports,
+        help="Where payloads travel: shm (shared memory, calls over gRPC), grpc (in the messages).",
+    )(fn)

@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.options import parse_codecs, parse_counts, parse_list, parse_transports
+from client.bench.options import parse_codecs, parse_counts, parse_list, transport_option
 from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import TRANSPORTS, BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
@@ -71,7 +72,7 @@ def measure_transport(
     shards_list: list[int],
     workers_list: list[int],
     codecs: list[str],
-    transports: tuple[str, ...] = TRANSPORTS,
+    transports: Sequence[str] = TRANSPORTS,
     rounds: int = 5,
     warmup: int = 2,
     part_size: int = 4 * MiB,
@@ -203,13 +204,7 @@ def print_rows(rows: list[Row], console: Console) -> None:
 @click.option("--shards", "shards_list", default="1,2", callback=parse_counts, help="Shard counts.")
 @click.option("--workers", "workers_list", default="1,2", callback=parse_counts, help="Worker counts.")
 @click.option("--codec", "codecs", default="none", callback=parse_codecs, help="Push codecs, e.g. none,int8.")
-@click.option(
-    "--transport",
-    "transports",
-    default=",".join(TRANSPORTS),
-    callback=parse_transports,
-    help="Where payloads travel: shm (shared memory, calls over gRPC), grpc (in the messages).",
-)
+@transport_option
 @click.option("--rounds", default=5, type=click.IntRange(min=1), help="Timed rounds per configuration.")
 @click.option("--part-size", default=4.0, type=click.FloatRange(min=0.001, max=64), help="Part size, MiB.")
 @click.option(
