@@ -18,7 +18,7 @@ from gradps.channel import open_channel
 from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part
 from gradps.codecs.base import require_finite
 from gradps.placement import ITEMSIZE, PartKey
-from gradps.shared_memory import ALIGN, Segment, SegmentError, aligned, nbytes
+from gradps.shared_memory import ALIGN, RegionWriter, Segment, SegmentError, aligned, nbytes
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
@@ -63,6 +63,14 @@ class _Area:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    def region(self) -> tensor_pb2.SharedRegion:
+        """The area, as a pull or group average names it for the shard to write into."""
+        return tensor_pb2.SharedRegion(segment=self.segment.name, offset=self.offset, length=self.length)
+
+    def writer(self) -> RegionWriter:
+        """Lays this call's payloads into the area."""
+        return RegionWriter(self.segment, self.offset, self.length)
 
 
 def tensor_specs(tensors: dict[str, torch.Tensor]) -> list[tensor_pb2.TensorSpec]:
@@ -232,8 +240,7 @@ class ParameterClient:
             if area is not None:
                 shard_request = shard_pb2.PullRequest()
                 shard_request.CopyFrom(request)
-                into = shard_request.into
-                into.segment, into.offset, into.length = area.segment.name, area.offset, area.length
+                shard_request.into.CopyFrom(area.region())
             received, decode_s = 0, 0.0
             for message in self._pull_calls[shard](shard_request, timeout=self.timeout_s + 5):
                 began = time.perf_counter()
@@ -280,20 +287,16 @@ class ParameterClient:
                 sent.append(message if isinstance(message, bytes) else message.SerializeToString())
                 return sent[-1]
 
-            def messages(area: _Area | None) -> Iterator[bytes]:
-                nonlocal cursor
+            def messages(writer: RegionWriter | None) -> Iterator[bytes]:
                 yield from list(sent)
                 for p in parts:
                     began = time.perf_counter()
                     payload, lz4 = self._encode(flat[p.name][p.offset : p.offset + p.count], (p.name, p.index))
                     meta = self._part_message(p, b"", lz4, codec=self.codec)
                     size = nbytes(payload)
-                    if area is not None and cursor + size <= area.end:
-                        # The payload's one copy goes into the segment, where the shard reads it.
-                        area.segment.write(cursor, payload)
-                        shared = meta.shared
-                        shared.segment, shared.offset, shared.length = area.segment.name, cursor, size
-                        cursor += aligned(size)
+                    # The payload's one copy goes into the segment, where the shard reads it.
+                    if writer is not None and (region := writer.put(payload)) is not None:
+                        meta.shared.CopyFrom(region)
                         ready = batch.add(meta)
                     else:
                         if isinstance(payload, torch.Tensor):  # lossless: sent from the values' memory
@@ -313,11 +316,11 @@ class ParameterClient:
             # is held until the shard answered: its bytes are the push until then.
             with self._claim(shard, 0) as area:
                 # Across retries: the next free byte of the area, and the parts batched but not sent.
-                cursor = area.offset if area else 0
+                writer = area.writer() if area else None
                 batch = wire.PartBatch(lambda: shard_pb2.PushRequest.FromString(header))
                 for attempt in range(3):
                     try:
-                        response = self._push_calls[shard](messages(area), timeout=self.timeout_s)
+                        response = self._push_calls[shard](messages(writer), timeout=self.timeout_s)
                         return response.staleness, sizes[0], sizes[1]
                     except grpc.RpcError as e:
                         if e.code() not in _RETRYABLE or attempt == 2:
@@ -383,17 +386,14 @@ class ParameterClient:
             # Shared and small parts travel together, up to wire.BATCH_BYTES a message; a large
             # inline one alone.
             messages, batch, deposited = [], wire.PartBatch(request), 0
-            cursor = deposit_area.offset if deposit_area else 0
+            writer = deposit_area.writer() if deposit_area else None
             for p in self._parts_by_shard[shard]:
                 values = flat[p.name][p.offset : p.offset + p.count]  # the shard checks them
                 size = 4 * p.count
                 deposited += size
-                if deposit_area is not None and cursor + size <= deposit_area.end:
-                    deposit_area.segment.write(cursor, values)
+                if writer is not None and (region := writer.put(values)) is not None:
                     meta = self._part_message(p, b"", False)
-                    shared = meta.shared
-                    shared.segment, shared.offset, shared.length = deposit_area.segment.name, cursor, size
-                    cursor += aligned(size)
+                    meta.shared.CopyFrom(region)
                     full = batch.add(meta)
                 else:
                     payload = values.cpu().numpy().tobytes()
@@ -407,12 +407,7 @@ class ParameterClient:
             if (rest := batch.take()) is not None:
                 messages.append(rest)
             if average_area is not None and messages:  # the shard reads it from the first message
-                into = messages[0].into
-                into.segment, into.offset, into.length = (
-                    average_area.segment.name,
-                    average_area.offset,
-                    average_area.length,
-                )
+                messages[0].into.CopyFrom(average_area.region())
             frontier, received = 0, 0
             for response in self._stubs[shard].GroupAverage(iter(messages), timeout=self.timeout_s):
                 for part in wire.parts_of(response):

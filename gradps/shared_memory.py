@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gradps.v1 import tensor_pb2
+
 SHM_DIR = Path("/dev/shm")
 NAME = re.compile(r"gradps-[A-Za-z0-9_-]{1,100}")
 TOKEN_BYTES = 16
@@ -184,6 +186,29 @@ class Segment:
             self.floats(offset, data.numel()).copy_(data)
         else:
             self.region(offset, len(data))[:] = data
+
+
+class RegionWriter:
+    """Lays payloads one after another into [offset, offset + length) of a segment: a worker's
+    push or deposit into its area, a shard's pull or group average into the region the worker
+    named. Each payload starts at an ALIGN boundary."""
+
+    def __init__(self, segment: Segment, offset: int, length: int) -> None:
+        segment.check(offset, length)
+        self.segment = segment
+        self.cursor = offset
+        self.end = offset + length
+
+    def put(self, payload: bytes | bytearray | memoryview | torch.Tensor) -> tensor_pb2.SharedRegion | None:
+        """Copy `payload` (bytes, or float32 values on any device) in and say where it lies; None
+        when it does not fit (it then travels inline)."""
+        size = nbytes(payload)
+        if self.cursor + size > self.end:
+            return None
+        self.segment.write(self.cursor, payload)
+        region = tensor_pb2.SharedRegion(segment=self.segment.name, offset=self.cursor, length=size)
+        self.cursor += aligned(size)
+        return region
 
 
 def nbytes(data: bytes | bytearray | memoryview | torch.Tensor) -> int:

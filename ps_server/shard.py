@@ -18,7 +18,7 @@ from gradps.channel import add_health, bind, make_server, open_channel, serve_un
 from gradps.codecs import CodecError, decode_part, decode_summand, encode_part
 from gradps.codecs.base import require_finite
 from gradps.device import device_option
-from gradps.shared_memory import Segment, SegmentError, aligned, check_name, nbytes
+from gradps.shared_memory import RegionWriter, Segment, SegmentError, check_name
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
 from ps_server.schemes import RULES, ShardRule
@@ -26,8 +26,9 @@ from ps_server.schemes import RULES, ShardRule
 _LOGGER = logging.getLogger("gradps.shard")
 _DEFAULT_WAIT_S = 60.0
 _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
-# PushRequest.part, PullResponse.part and RegisterTensorsRequest.part (gradps/v1/shard.proto).
-_PUSH_PART_FIELD, _PULL_PART_FIELD, _REGISTER_PART_FIELD = 4, 1, 2
+# PushRequest.part, PullResponse.part, RegisterTensorsRequest.part and GroupAverageResponse.part
+# (gradps/v1/shard.proto).
+_PUSH_PART_FIELD, _PULL_PART_FIELD, _REGISTER_PART_FIELD, _AVERAGE_PART_FIELD = 4, 1, 2, 1
 _PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
 # A worker maps one segment per client of a run (see gpu_worker/ps_client.py); a few spare.
 _MAX_SEGMENTS_PER_WORKER = 4
@@ -144,11 +145,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             parts = list(run.parts.values())
         wait_s = request.wait_ms / 1000 if request.wait_ms else _DEFAULT_WAIT_S
         raw = getattr(self, "raw_bulk", False)  # registered raw (add_shard_servicer): yield bytes
-        into = None
-        if request.HasField("into"):
-            segment = self._segment(run, request.worker_id, request.into.segment, context)
-            _region(segment, request.into.offset, request.into.length, context)  # checked before any wait
-            into = _RegionWriter(segment, request.into.offset, request.into.length)
+        into = self._writer(run, request, context) if request.HasField("into") else None  # checked before any wait
         # Each part's bytes are a snapshot taken under the lock. The live weights are copied part
         # by part as they are sent, each at the version its response reports: the first part
         # leaves before the last is copied, and no pull holds a copy of every part. Anything else
@@ -168,25 +165,22 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             rule.on_pull(request.worker_id, parts)
             for p in parts:
                 values = rule.pull_values(p, request)
-                live = values.data_ptr() == p.values.data_ptr()  # the weights (Part.values is a new view)
+                live = values.data_ptr() == p.values.data_ptr()  # the weights themselves, not a copy
                 snapshot.append((p, None if live else _pull_part(p, values, request.codec, into)))
-        batch = wire.PartBatch(shard_pb2.PullResponse)
-        for p, early in snapshot:
-            if into is not None and not context.is_active():
-                return  # cancelled: the worker may have reused its area for its next pull
-            if early is None:
+
+        def replies() -> Iterator[tuple[tensor_pb2.TensorPart, wire.Buffer]]:
+            for p, early in snapshot:
+                if into is not None and not context.is_active():
+                    return  # cancelled: the worker may have reused its area for its next pull
+                if early is None:
+                    with run.cond:
+                        early = _pull_part(p, p.values, request.codec, into)
+                meta, payload = early
                 with run.cond:
-                    early = _pull_part(p, p.values, request.codec, into)
-            meta, payload = early
-            shared = meta.HasField("shared")
-            with run.cond:
-                run.bytes_pulled += meta.shared.length if shared else len(payload)
-            if not shared and len(payload) > wire.SMALL_PAYLOAD:
-                yield _pull_response(meta, payload, raw)
-            elif (full := batch.add(meta, payload)) is not None:
-                yield full.SerializeToString() if raw else full
-        if (rest := batch.take()) is not None:
-            yield rest.SerializeToString() if raw else rest
+                    run.bytes_pulled += meta.shared.length if meta.HasField("shared") else len(payload)
+                yield meta, payload
+
+        yield from _responses(shard_pb2.PullResponse, _PULL_PART_FIELD, replies(), raw)
 
     def Push(self, request_iterator, context):
         run = None
@@ -212,13 +206,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 part = self._part(run, msg, context)
                 if part.key in grads:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice")
-                if msg.HasField("shared"):
-                    if len(payload):
-                        context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"part {msg.name}/{msg.index} has a payload and a shared one",
-                        )
-                    payload = self._payload(run, request.worker_id, msg, context)
+                payload = self._payload(run, request.worker_id, msg, payload, context)
                 # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
                 try:
                     grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
@@ -297,9 +285,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 run, rule = self._run(request.run_id, context)
                 header = (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global)
                 if request.HasField("into"):  # checked before any wait, like a pull's
-                    segment = self._segment(run, request.worker_id, request.into.segment, context)
-                    _region(segment, request.into.offset, request.into.length, context)
-                    into = _RegionWriter(segment, request.into.offset, request.into.length)
+                    into = self._writer(run, request, context)
             elif (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global) != header:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
             parts = wire.parts_of(request)
@@ -307,7 +293,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a GroupAverageRequest without a part")
             for msg in parts:
                 part = self._part(run, msg, context)
-                payload = self._payload(run, request.worker_id, msg, context)
+                payload = self._payload(run, request.worker_id, msg, msg.payload, context)
                 try:
                     deposit[part.key] = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
                 except CodecError as e:
@@ -327,29 +313,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             # fixed, but the copy is the snapshot.
             replies = []
             for key, avg in averages.items():
-                part = run.parts[key]
-                meta = tensor_pb2.TensorPart(
-                    name=key[0], index=key[1], offset=part.offset, count=part.count, version=frontier
-                )
-                meta.dtype, meta.codec.codec = tensor_pb2.DTYPE_FLOAT32, tensor_pb2.CODEC_NONE
+                meta = _part_meta(run.parts[key], _NONE, frontier)
                 if into is not None and (region := into.put(avg)) is not None:
                     meta.shared.CopyFrom(region)
                     replies.append((meta, b""))
                 else:
                     replies.append((meta, encode_part(avg.cpu(), _NONE, lz4_threshold=None)[0]))
-        # Shared and small parts leave together, up to wire.BATCH_BYTES a message; a large one alone.
-        batch = wire.PartBatch(shard_pb2.GroupAverageResponse)
-        for meta, payload in replies:
-            if len(payload) > wire.SMALL_PAYLOAD:
-                # Fields set in place: GroupAverageResponse(part=...) would copy the payload again.
-                response = shard_pb2.GroupAverageResponse()
-                response.part.CopyFrom(meta)
-                response.part.payload = payload
-                yield response
-            elif (full := batch.add(meta, payload)) is not None:
-                yield full
-        if (rest := batch.take()) is not None:
-            yield rest
+        yield from _responses(shard_pb2.GroupAverageResponse, _AVERAGE_PART_FIELD, replies, raw=False)
 
     @staticmethod
     def _part(run: RunState, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> Part:
@@ -380,57 +350,55 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return segment
 
     def _payload(
-        self, run: RunState, worker_id: int, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext
+        self,
+        run: RunState,
+        worker_id: int,
+        msg: tensor_pb2.TensorPart,
+        received: wire.Buffer,
+        context: grpc.ServicerContext,
     ) -> wire.Buffer:
-        """A part's payload: its bytes, or the region of the worker's segment it names."""
+        """A part's payload: the bytes `received` with it, or the region of the worker's segment
+        it names (TensorPart.shared; then nothing may be received)."""
         if not msg.HasField("shared"):
-            return msg.payload
-        if msg.payload:
+            return received
+        if len(received):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index} has a payload and a shared one"
             )
         segment = self._segment(run, worker_id, msg.shared.segment, context)
-        return _region(segment, msg.shared.offset, msg.shared.length, context)
+        try:
+            return segment.region(msg.shared.offset, msg.shared.length)
+        except SegmentError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _writer(self, run: RunState, request, context: grpc.ServicerContext) -> RegionWriter:
+        """Where a pull or group average writes its payloads: the region `request.into` of one of
+        the requesting worker's segments, checked."""
+        into = request.into
+        segment = self._segment(run, request.worker_id, into.segment, context)
+        try:
+            return RegionWriter(segment, into.offset, into.length)
+        except SegmentError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
-def _region(segment: Segment, offset: int, length: int, context: grpc.ServicerContext) -> memoryview:
-    try:
-        return segment.region(offset, length)
-    except SegmentError as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-
-class _RegionWriter:
-    """Lays a pull's payloads one after another into the region the worker gave (PullRequest.into)."""
-
-    def __init__(self, segment: Segment, offset: int, length: int) -> None:
-        self.segment = segment
-        self.cursor = offset
-        self.end = offset + length
-
-    def put(self, payload: wire.Buffer | torch.Tensor) -> tensor_pb2.SharedRegion | None:
-        """Copy `payload` (bytes, or float32 values on any device) in and say where it lies; None
-        when it does not fit (it goes inline)."""
-        size = nbytes(payload)
-        if self.cursor + size > self.end:
-            return None
-        self.segment.write(self.cursor, payload)
-        region = tensor_pb2.SharedRegion(segment=self.segment.name, offset=self.cursor, length=size)
-        self.cursor += aligned(size)
-        return region
-
-
-def _pull_part(
-    part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams, into: _RegionWriter | None
-) -> tuple[tensor_pb2.TensorPart, wire.Buffer]:
-    """`values` as the part's current version: its metadata and payload, or, when the worker's
-    shared region has room, its metadata pointing there and no payload. For `none` the values are
-    copied once (into the region, or later into the message)."""
+def _part_meta(part: Part, codec: tensor_pb2.CodecParams, version: int) -> tensor_pb2.TensorPart:
+    """The metadata of one of `part`'s float32 payloads sent back to a worker."""
     meta = tensor_pb2.TensorPart(
         name=part.key[0], index=part.key[1], offset=part.offset, count=part.count, dtype=tensor_pb2.DTYPE_FLOAT32
     )
     meta.codec.CopyFrom(codec)
-    meta.version = part.version
+    meta.version = version
+    return meta
+
+
+def _pull_part(
+    part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams, into: RegionWriter | None
+) -> tuple[tensor_pb2.TensorPart, wire.Buffer]:
+    """`values` as the part's current version: its metadata and payload, or, when the worker's
+    shared region has room, its metadata pointing there and no payload. For `none` the values are
+    copied once (into the region, or later into the message)."""
+    meta = _part_meta(part, codec, part.version)
     if codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
         require_finite(values, "none: values to encode")  # what the none codec checks
         if into is not None and (region := into.put(values)) is not None:
@@ -446,15 +414,25 @@ def _pull_part(
     return meta, payload
 
 
-def _pull_response(meta: tensor_pb2.TensorPart, payload: wire.Buffer, raw: bool) -> bytes | shard_pb2.PullResponse:
-    """A PullResponse of one part: serialized with the payload's one copy when `raw`."""
-    if raw:
-        return b"".join(wire.part_message(b"", _PULL_PART_FIELD, meta, payload))
-    # Fields set in place: PullResponse(part=TensorPart(...)) costs ~1 ms per MiB of payload.
-    response = shard_pb2.PullResponse()
-    response.part.CopyFrom(meta)
-    response.part.payload = bytes(payload)
-    return response
+def _responses(response_type, part_field: int, replies, raw: bool) -> Iterator:
+    """The messages of a pull or a group average answering with `replies` ((metadata, payload)
+    per part): parts in shared memory and small ones together, up to wire.BATCH_BYTES a message;
+    a large payload alone, in `part_field`. Serialized when `raw` (the payload copied once)."""
+    batch = wire.PartBatch(response_type)
+    for meta, payload in replies:
+        if len(payload) > wire.SMALL_PAYLOAD:
+            if raw:
+                yield b"".join(wire.part_message(b"", part_field, meta, payload))
+                continue
+            # Fields set in place: Response(part=TensorPart(...)) costs ~1 ms per MiB of payload.
+            response = response_type()
+            response.part.CopyFrom(meta)
+            response.part.payload = bytes(payload)
+            yield response
+        elif (full := batch.add(meta, payload)) is not None:
+            yield full.SerializeToString() if raw else full
+    if (rest := batch.take()) is not None:
+        yield rest.SerializeToString() if raw else rest
 
 
 def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
