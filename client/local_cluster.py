@@ -83,6 +83,7 @@ class LocalCluster:
             f"shard-{i}",
             "ps_server.shard",
             "--port=0",
+            "--data-port=0",
             f"--port-file={port_file}",
             f"--coordinator={self.address}",
             "--advertise-host=127.0.0.1",

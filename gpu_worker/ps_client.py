@@ -11,12 +11,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 import torch
 
 from gradps import wire
 from gradps.channel import open_channel
 from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part
 from gradps.codecs.base import require_finite
+from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError
 from gradps.placement import ITEMSIZE, PartKey
 from gradps.shared_memory import ALIGN, RegionWriter, Segment, SegmentError, aligned, nbytes
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
@@ -27,6 +29,11 @@ _PUSH = "/gradps.v1.ShardService/Push"
 _PULL = "/gradps.v1.ShardService/Pull"
 # PushRequest.part and PullResponse.part are field 4 and field 1.
 _PUSH_PART_FIELD, _PULL_PART_FIELD = 4, 1
+# Where payloads travel, fastest first: "shm" (shared memory with shards on this host, a data
+# stream to the others), "stream" (a data stream to every shard: raw TCP beside gRPC, see
+# gradps/data_stream.py) or "grpc" (in the messages). Each falls back to the next where it cannot
+# be set up, and to the messages for a call that finds it busy or broken.
+TRANSPORTS = ("shm", "stream", "grpc")
 
 
 @dataclass
@@ -92,10 +99,13 @@ class ParameterClient:
         codec: tensor_pb2.CodecParams,
         pull_codec: tensor_pb2.CodecParams,
         timeout_s: float = 120.0,
-        shared_memory: bool = True,
+        transport: str = "shm",
     ) -> None:
-        """With `shared_memory`, payloads to and from shards on this host go through a shared
-        segment per shard (gradps/shared_memory.py); elsewhere, or without it, inline."""
+        """`transport`: one of TRANSPORTS. With "shm", payloads to and from shards on this host
+        go through a shared segment per shard (gradps/shared_memory.py); with "shm" or "stream",
+        those to other shards through a data stream per shard (gradps/data_stream.py)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
         self.placement = placement
         self.run_id = run_id
         self.worker_id = worker_id
@@ -129,21 +139,60 @@ class ParameterClient:
         self._owners = [s for s, parts in enumerate(self._parts_by_shard) if parts]
         # (push area, pull area) of each shard's segment, None where payloads go inline.
         self._areas: list[tuple[_Area, _Area] | None] = [None] * len(placement.shards)
+        # Each shard's data stream where payloads do not go through shared memory.
+        self._streams: list[DataStream | None] = [None] * len(placement.shards)
         self._pinned = False
-        if shared_memory:
-            for shard in self._owners:
+        for shard in self._owners:
+            if transport == "shm":
                 self._areas[shard] = self._map_segment(shard)
+            if transport != "grpc" and self._areas[shard] is None:
+                self._streams[shard] = self._open_stream(shard)
         _LOGGER.info(
-            "run %s: payloads to shards %s through shared memory, to %s inline",
+            "run %s: payloads to shards %s through shared memory, to %s on data streams, to %s inline",
             run_id,
             self.shared_shards,
-            [s for s in self._owners if self._areas[s] is None],
+            self.streamed_shards,
+            [s for s in self._owners if self._areas[s] is None and self._streams[s] is None],
         )
 
     @property
     def shared_shards(self) -> list[int]:
         """Shards whose payloads go through shared memory."""
         return [s for s, areas in enumerate(self._areas) if areas is not None]
+
+    @property
+    def streamed_shards(self) -> list[int]:
+        """Shards whose payloads go through a data stream (that is still open)."""
+        return [s for s, stream in enumerate(self._streams) if stream is not None and not stream.closed]
+
+    def _open_stream(self, shard: int) -> DataStream | None:
+        """A data stream to `shard`; None when it cannot be opened (no data port, a firewall):
+        payloads go inline."""
+        request = shard_pb2.OpenStreamRequest(run_id=self.run_id, worker_id=self.worker_id)
+        host = self.placement.shards[shard].rsplit(":", 1)[0].strip("[]")
+        try:
+            response = self._stubs[shard].OpenStream(request, timeout=min(self.timeout_s, 10.0))
+            return DataStream.connect(host, response.port, response.token, response.stream, min(self.timeout_s, 10.0))
+        except grpc.RpcError as e:
+            _LOGGER.info("shard %d: payloads inline (%s: %s)", shard, e.code().name, e.details())
+        except StreamError as e:
+            _LOGGER.info("shard %d: payloads inline (%s)", shard, e)
+        return None
+
+    @contextmanager
+    def _stream_call(
+        self, shard: int, direction: str, area: _Area | None
+    ) -> Iterator[CallSender | CallReceiver | None]:
+        """The shard's data stream in `direction` ("send": a push; "receive": a pull) for one
+        call, None when the call has a shared area, or there is no open stream, or another call
+        has it. A call that fails with it closes the stream (DataStream.sending/receiving)."""
+        stream = self._streams[shard]
+        if area is not None or stream is None:
+            yield None
+            return
+        claim = stream.sending if direction == "send" else stream.receiving
+        with claim(stream.next_call(), self.timeout_s) as io:
+            yield io
 
     def _map_segment(self, shard: int) -> tuple[_Area, _Area] | None:
         """A segment with room for every part of `shard` twice (a push and a pull at once), mapped
@@ -188,6 +237,9 @@ class ParameterClient:
         self._push_pool.shutdown(wait=False)
         for channel in self._channels:
             channel.close()
+        for stream in self._streams:
+            if stream is not None:
+                stream.close()
         # Unmapped when the last view goes (at once, unless a call is still running); the shards
         # drop theirs when the run closes.
         self._areas = [None] * len(self._areas)
@@ -233,14 +285,24 @@ class ParameterClient:
 
         def fetch(shard: int) -> tuple[int, float]:
             with self._claim(shard, 1) as area:
-                return fetch_into(shard, area)
+                try:
+                    with self._stream_call(shard, "receive", area) as receiver:
+                        return fetch_into(shard, area, receiver)
+                except (grpc.RpcError, StreamError) as e:
+                    if not _stream_broke(e):
+                        raise
+                    _LOGGER.warning("shard %d: %s; payloads inline from now on", shard, _reason(e))
+                return fetch_into(shard, area, None)
 
-        def fetch_into(shard: int, area: _Area | None) -> tuple[int, float]:
+        def fetch_into(shard: int, area: _Area | None, receiver: CallReceiver | None) -> tuple[int, float]:
             shard_request = request
-            if area is not None:
+            if area is not None or receiver is not None:
                 shard_request = shard_pb2.PullRequest()
                 shard_request.CopyFrom(request)
-                shard_request.into.CopyFrom(area.region())
+                if area is not None:
+                    shard_request.into.CopyFrom(area.region())
+                else:
+                    shard_request.stream.CopyFrom(_stream_call_message(receiver))
             received, decode_s = 0, 0.0
             for message in self._pull_calls[shard](shard_request, timeout=self.timeout_s + 5):
                 began = time.perf_counter()
@@ -251,10 +313,13 @@ class ParameterClient:
                     parts.append((p, _shared_payload(area, p.shared) if p.HasField("shared") else p.payload))
                 for part, payload in parts:
                     target = flat[part.name][part.offset : part.offset + part.count]
-                    copy_part_into(target, part, payload)
+                    if part.streamed:
+                        receive_part_into(target, part, receiver)
+                    else:
+                        copy_part_into(target, part, payload)
                     if not request.gradient:  # a weight's version: what the next push was computed on
                         self.versions[(part.name, part.index)] = part.version
-                    received += len(payload)
+                    received += part.streamed or len(payload)
                 decode_s += time.perf_counter() - began
             return received, decode_s
 
@@ -279,7 +344,9 @@ class ParameterClient:
             # from its own thread), and kept: a retry resends them without encoding again, which
             # would apply the error feedback twice.
             parts = iter(self._parts_by_shard[shard])
-            sent: list[bytes] = []
+            # Messages sent, and (metadata, payload) of the parts sent on the data stream: a retry
+            # sends those inline.
+            sent: list[bytes | tuple[tensor_pb2.TensorPart, wire.Buffer]] = []
             sizes = [0, 0.0]  # payload bytes, encode seconds
 
             def keep(message: bytes | shard_pb2.PushRequest) -> bytes:
@@ -287,8 +354,14 @@ class ParameterClient:
                 sent.append(message if isinstance(message, bytes) else message.SerializeToString())
                 return sent[-1]
 
-            def messages(writer: RegionWriter | None) -> Iterator[bytes]:
-                yield from list(sent)
+            def messages(writer: RegionWriter | None, sender: CallSender | None) -> Iterator[bytes]:
+                for item in list(sent):
+                    if isinstance(item, tuple):
+                        meta, payload = item
+                        meta.streamed = 0
+                        yield b"".join(wire.part_message(header, _PUSH_PART_FIELD, meta, payload))
+                    else:
+                        yield item
                 for p in parts:
                     began = time.perf_counter()
                     payload, lz4 = self._encode(flat[p.name][p.offset : p.offset + p.count], (p.name, p.index))
@@ -301,6 +374,23 @@ class ParameterClient:
                     else:
                         if isinstance(payload, torch.Tensor):  # lossless: sent from the values' memory
                             payload = memoryview(payload.cpu().numpy()).cast("B")
+                        if sender is not None and size > wire.SMALL_PAYLOAD:
+                            meta.streamed = size
+                            sent.append((meta, payload))
+                            message = shard_pb2.PushRequest.FromString(header)
+                            message.stream.CopyFrom(_stream_call_message(sender))
+                            message.part.CopyFrom(meta)
+                            yield message.SerializeToString()
+                            sizes[0] += size
+                            sizes[1] += time.perf_counter() - began
+                            try:
+                                sender.send(payload)  # its message is on its way: the shard reads after it
+                            except StreamError:
+                                # The shard, short of this part's bytes, fails the call (DATA_LOSS)
+                                # once the stream closes; the push is then sent again, inline.
+                                sender.close()
+                                return
+                            continue
                         if size <= wire.SMALL_PAYLOAD:
                             ready = batch.add(meta, payload)
                         else:
@@ -320,10 +410,14 @@ class ParameterClient:
                 batch = wire.PartBatch(lambda: shard_pb2.PushRequest.FromString(header))
                 for attempt in range(3):
                     try:
-                        response = self._push_calls[shard](messages(writer), timeout=self.timeout_s)
+                        with self._stream_call(shard, "send", area) as sender:
+                            response = self._push_calls[shard](messages(writer, sender), timeout=self.timeout_s)
                         return response.staleness, sizes[0], sizes[1]
-                    except grpc.RpcError as e:
-                        if e.code() not in _RETRYABLE or attempt == 2:
+                    except (grpc.RpcError, StreamError) as e:
+                        if _stream_broke(e) and attempt < 2:  # the stream is closed now: inline
+                            _LOGGER.warning("shard %d: %s; payloads inline from now on", shard, _reason(e))
+                            continue
+                        if not isinstance(e, grpc.RpcError) or e.code() not in _RETRYABLE or attempt == 2:
                             raise
                         time.sleep(0.2 * (attempt + 1))
             raise AssertionError("unreachable")
@@ -447,6 +541,35 @@ class ParameterClient:
         out.version = self.versions.get((p.name, p.index), 0)
         out.lz4 = lz4
         return out
+
+
+def _stream_broke(e: Exception) -> bool:
+    """Whether a call failed because its data stream broke (the shard says DATA_LOSS)."""
+    return isinstance(e, StreamError) or (isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.DATA_LOSS)
+
+
+def _stream_call_message(io: CallSender | CallReceiver) -> shard_pb2.StreamCall:
+    return shard_pb2.StreamCall(stream=io.stream.id, call=io.call)
+
+
+def _reason(e: Exception) -> str:
+    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+
+
+def receive_part_into(target: torch.Tensor, part: tensor_pb2.TensorPart, receiver: CallReceiver | None) -> None:
+    """Read a part's payload from the pull's data stream into its slice of the model: straight
+    into the tensor for `none` on the CPU (the kernel's copy and no other)."""
+    if receiver is None:
+        raise CodecError(f"part {part.name}/{part.index} arrived on a data stream this pull did not offer")
+    if part.streamed > 8 * part.count + 1024:  # more than any codec's payload of the part
+        raise CodecError(f"part {part.name}/{part.index}: {part.streamed} streamed bytes for {part.count} values")
+    lossless = part.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and not part.lz4
+    if lossless and part.streamed == 4 * part.count and target.device.type == "cpu" and target.is_contiguous():
+        receiver.receive_into(memoryview(target.numpy()).cast("B"))
+        return
+    buffer = np.empty(part.streamed, dtype=np.uint8)
+    receiver.receive_into(memoryview(buffer))
+    copy_part_into(target, part, memoryview(buffer))
 
 
 def _shared_payload(area: _Area | None, region: tensor_pb2.SharedRegion) -> memoryview:

@@ -13,6 +13,7 @@ import click
 import grpc
 import torch
 
+from gpu_worker.ps_client import TRANSPORTS
 from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
 from gpu_worker.trainer import Trainer
 from gradps.datasets import ShardSampler, load_dataset
@@ -61,7 +62,7 @@ def train(
     assignment: Assignment,
     device: torch.device,
     stop: threading.Event,
-    shared_memory: bool = True,
+    transport: str = "shm",
 ) -> None:
     """Train one assigned run to the end (or until it is stopped, or the service shuts down)."""
     spec = assignment.spec
@@ -77,7 +78,7 @@ def train(
         steps,
         evaluate=lambda m: evaluate(m, dataset),
         report_every=max(1, min(20, steps // 50)),
-        shared_memory=shared_memory,
+        transport=transport,
     )
     slowdown = Slowdown(assignment)
     try:
@@ -108,7 +109,7 @@ def train(
 
 
 def serve(
-    coordinator: str, device: torch.device, name: str | None, stop: threading.Event, shared_memory: bool = True
+    coordinator: str, device: torch.device, name: str | None, stop: threading.Event, transport: str = "shm"
 ) -> None:
     """Join and train assignments until `stop` is set."""
     session = WorkerSession(coordinator, name=name, device=str(device))
@@ -132,7 +133,7 @@ def serve(
                 continue
             _LOGGER.info("run %s: rank %d of %d", assignment.run_id, assignment.rank, assignment.world)
             try:
-                train(session, assignment, device, stop, shared_memory)
+                train(session, assignment, device, stop, transport)
             except Exception as e:  # a broken model or dataset fails the run, not the service
                 _LOGGER.exception("run %s failed", assignment.run_id)
                 try:
@@ -154,13 +155,15 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
 @click.option("--name", envvar="GRADPS_WORKER_NAME", default=None, help="Name shown in `gradps status`.")
 @click.option("--threads", envvar="GRADPS_THREADS", default=1, type=int, help="torch intra-op threads.")
 @click.option(
-    "--shared-memory/--no-shared-memory",
-    envvar="GRADPS_SHARED_MEMORY",
-    default=True,
-    help="Move payloads to shards on this host through /dev/shm instead of the socket.",
+    "--transport",
+    envvar="GRADPS_TRANSPORT",
+    type=click.Choice(TRANSPORTS),
+    default="shm",
+    help="Where payloads travel: shm (shared memory with shards on this host, a data stream to others), "
+    "stream (a data stream to every shard: raw TCP beside gRPC), grpc (in the gRPC messages).",
 )
 @click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
-def main(coordinator: str, device: str, name: str | None, threads: int, shared_memory: bool, log_level: str) -> None:
+def main(coordinator: str, device: str, name: str | None, threads: int, transport: str, log_level: str) -> None:
     """gradps worker: joins the coordinator and trains the runs assigned to it."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
     torch.set_num_threads(max(1, threads))
@@ -168,7 +171,7 @@ def main(coordinator: str, device: str, name: str | None, threads: int, shared_m
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve(coordinator, torch.device(device), name, stop, shared_memory)
+        serve(coordinator, torch.device(device), name, stop, transport)
     except ConnectionError as e:
         raise click.ClickException(str(e)) from None
 

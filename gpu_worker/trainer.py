@@ -47,10 +47,9 @@ class Trainer:
         total_steps: int,
         evaluate: Evaluate | None = None,
         report_every: int = 10,
-        shared_memory: bool = True,
+        transport: str = "shm",
     ) -> None:
-        """`shared_memory`: payloads to shards on this host go through shared memory (see
-        ParameterClient)."""
+        """`transport`: where payloads travel (ps_client.TRANSPORTS, see ParameterClient)."""
         self.model = model
         self.session = session
         self.assignment = assignment
@@ -67,7 +66,7 @@ class Trainer:
             session.worker_id,
             self.spec.codec,
             self.spec.pull_codec,
-            shared_memory=shared_memory,
+            transport=transport,
         )
         self.scheme = WORKER_SCHEMES[self.spec.scheme](self)
         self.steps_done = 0

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gradps.data_stream import DataStream
 from gradps.placement import PartKey
 from gradps.shared_memory import Segment
 from gradps.v1 import run_pb2, shard_pb2
@@ -68,6 +69,9 @@ class RunState:
     bytes_pulled: int = 0
     # Shared-memory segments mapped for workers on this host, by (worker id, segment name).
     segments: dict[tuple[int, str], Segment] = field(default_factory=dict)
+    # Data streams of workers on other hosts, by (worker id, stream id).
+    streams: dict[tuple[int, int], DataStream] = field(default_factory=dict)
+    closed: bool = False
 
     @classmethod
     def open(cls, request: shard_pb2.OpenRunRequest, device: torch.device) -> RunState:
@@ -93,9 +97,19 @@ class RunState:
 
     def set_live_workers(self, live: set[int]) -> None:
         """The members changed: forget the segments of workers that left (their memory is freed
-        once the worker's own mapping goes too)."""
+        once the worker's own mapping goes too) and close their data streams."""
         self.live_workers = live
         self.segments = {key: s for key, s in self.segments.items() if key[0] in live}
+        for key in [key for key in self.streams if key[0] not in live]:
+            self.streams.pop(key).close()
+
+    def close(self) -> None:
+        """The run ends on this shard: its data streams close, its segments go with the state."""
+        self.closed = True
+        self.segments = {}
+        for stream in self.streams.values():
+            stream.close()
+        self.streams = {}
 
     def param_bytes(self) -> int:
         return sum(p.count * 4 for p in self.parts.values())

@@ -7,16 +7,19 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import click
 import grpc
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
 from gradps import wire
 from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
-from gradps.codecs import CodecError, decode_part, decode_summand, encode_part
+from gradps.codecs import CodecError, decode_part, decode_summand, encode_part, get_codec
 from gradps.codecs.base import require_finite
+from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
 from gradps.device import device_option
 from gradps.shared_memory import RegionWriter, Segment, SegmentError, check_name
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
@@ -32,6 +35,8 @@ _PUSH_PART_FIELD, _PULL_PART_FIELD, _REGISTER_PART_FIELD, _AVERAGE_PART_FIELD = 
 _PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
 # A worker maps one segment per client of a run (see gpu_worker/ps_client.py); a few spare.
 _MAX_SEGMENTS_PER_WORKER = 4
+# Likewise data streams.
+_MAX_STREAMS_PER_WORKER = 4
 
 
 def _unpack(message, request_type, part_field: int, context: grpc.ServicerContext):
@@ -57,8 +62,10 @@ def _unpack(message, request_type, part_field: int, context: grpc.ServicerContex
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     """Runs by id; each run has its own lock, so runs never contend."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, listener: StreamListener | None = None) -> None:
+        """`listener`: the data port workers on other hosts open streams to (None: no streams)."""
         self.device = device
+        self.listener = listener
         self._runs: dict[str, tuple[RunState, ShardRule]] = {}
         self._lock = threading.Lock()
 
@@ -81,7 +88,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def CloseRun(self, request, context):
         with self._lock:
-            self._runs.pop(request.run_id, None)
+            found = self._runs.pop(request.run_id, None)
+        if found is not None:
+            with found[0].cond:
+                found[0].close()
         return shard_pb2.CloseRunResponse()
 
     def SetMembership(self, request, context):
@@ -146,12 +156,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         wait_s = request.wait_ms / 1000 if request.wait_ms else _DEFAULT_WAIT_S
         raw = getattr(self, "raw_bulk", False)  # registered raw (add_shard_servicer): yield bytes
         into = self._writer(run, request, context) if request.HasField("into") else None  # checked before any wait
+        stream = self._stream(run, request.worker_id, request.stream, context) if request.HasField("stream") else None
         # Each part's bytes are a snapshot taken under the lock. The live weights are copied part
         # by part as they are sent, each at the version its response reports: the first part
         # leaves before the last is copied, and no pull holds a copy of every part. Anything else
         # a rule serves (a reduced gradient, ...) is copied at once, under the lock that found
         # it ready. Parts written into the worker's shared region, and small ones, leave together
-        # (up to wire.BATCH_BYTES a message); a large payload leaves alone, framed by hand.
+        # (up to wire.BATCH_BYTES a message); a large payload leaves alone, framed by hand, or on
+        # the worker's data stream after its message.
         snapshot: list[tuple[Part, tuple[tensor_pb2.TensorPart, wire.Buffer] | None]] = []
         with run.cond:
             try:
@@ -175,12 +187,24 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if early is None:
                     with run.cond:
                         early = _pull_part(p, p.values, request.codec, into)
+                        if stream is not None and len(early[1]) > wire.SMALL_PAYLOAD:
+                            # A snapshot: sending waits on the worker, and pushes go on meanwhile.
+                            early = early[0], memoryview(bytes(early[1]))
                 meta, payload = early
                 with run.cond:
                     run.bytes_pulled += meta.shared.length if meta.HasField("shared") else len(payload)
                 yield meta, payload
 
-        yield from _responses(shard_pb2.PullResponse, _PULL_PART_FIELD, replies(), raw)
+        if stream is None:
+            yield from _responses(shard_pb2.PullResponse, _PULL_PART_FIELD, replies(), raw)
+            return
+        with stream.sending(request.stream.call, _time_left(context)) as sender:
+            if sender is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy in this direction")
+            try:
+                yield from _responses(shard_pb2.PullResponse, _PULL_PART_FIELD, replies(), raw, sender)
+            except StreamError as e:
+                context.abort(grpc.StatusCode.DATA_LOSS, str(e))
 
     def Push(self, request_iterator, context):
         run = None
@@ -188,33 +212,45 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         versions: dict[PartKey, int] = {}
         nbytes = 0
         header = None
+        receiver, stream_call = None, None
         # Validate and decode the whole push before touching any state: a bad part changes nothing.
-        for message in request_iterator:
-            request, parts = _unpack(message, shard_pb2.PushRequest, _PUSH_PART_FIELD, context)
-            if not parts:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a PushRequest without a part")
-            if run is None:
-                run, rule = self._run(request.run_id, context)
-                header = (request.run_id, request.worker_id, request.step)
-                # Rules that only sum take sparse parts as (indices, values): no full-size copy.
-                decode = decode_summand if rule.sums_sparse_parts else decode_part
-            elif (request.run_id, request.worker_id, request.step) != header:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, "all parts of a push need the same run, worker and step"
-                )
-            for msg, payload in parts:
-                part = self._part(run, msg, context)
-                if part.key in grads:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice")
-                payload = self._payload(run, request.worker_id, msg, payload, context)
-                # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
-                try:
-                    grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
-                except CodecError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gradient of {msg.name}/{msg.index}: {e}")
-                versions[part.key] = msg.version
-                nbytes += len(payload)
-            del payload, msg, parts, request, message  # the received bytes are dead weight once decoded
+        # A push on a data stream holds its receive direction until every part is read; a push
+        # that fails closes the stream (ExitStack: DataStream.receiving).
+        with ExitStack() as claims:
+            for message in request_iterator:
+                request, parts = _unpack(message, shard_pb2.PushRequest, _PUSH_PART_FIELD, context)
+                if not parts:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a PushRequest without a part")
+                if run is None:
+                    run, rule = self._run(request.run_id, context)
+                    header = (request.run_id, request.worker_id, request.step)
+                    # Rules that only sum take sparse parts as (indices, values): no full-size copy.
+                    decode = decode_summand if rule.sums_sparse_parts else decode_part
+                elif (request.run_id, request.worker_id, request.step) != header:
+                    context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, "all parts of a push need the same run, worker and step"
+                    )
+                if request.HasField("stream"):
+                    if stream_call is None:
+                        stream_call = request.stream
+                        receiver = claims.enter_context(self._receiver(run, request.worker_id, stream_call, context))
+                    elif request.stream != stream_call:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all messages of a push name the same stream")
+                for msg, payload in parts:
+                    part = self._part(run, msg, context)
+                    if part.key in grads:
+                        context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice"
+                        )
+                    payload = self._payload(run, request.worker_id, msg, payload, context, receiver)
+                    # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
+                    try:
+                        grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
+                    except CodecError as e:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gradient of {msg.name}/{msg.index}: {e}")
+                    versions[part.key] = msg.version
+                    nbytes += len(payload)
+                del payload, msg, parts, request, message  # the received bytes are dead weight once decoded
         if run is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
         _, worker_id, step = header
@@ -261,6 +297,30 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         if self.device.type == "cuda":
             segment.pin()  # payloads then cross between the segment and the GPU by DMA
         return shard_pb2.MapSegmentResponse(size=segment.size)
+
+    def OpenStream(self, request, context):
+        run, _ = self._run(request.run_id, context)
+        if self.listener is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this shard has no data port")
+        worker = request.worker_id
+        with run.cond:
+            if worker not in run.live_workers:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} is not a live member of the run")
+            opened = sum(1 for w, _ in run.streams if w == worker)
+            if opened >= _MAX_STREAMS_PER_WORKER:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {worker} already has {opened} data streams in this run"
+                )
+
+        def attach(stream: DataStream) -> bool:
+            with run.cond:
+                if run.closed or worker not in run.live_workers:
+                    return False
+                run.streams[(worker, stream.id)] = stream
+                return True
+
+        token, stream_id = self.listener.expect(attach)
+        return shard_pb2.OpenStreamResponse(port=self.listener.port, token=token, stream=stream_id)
 
     def GetStats(self, request, context):
         run, _ = self._run(request.run_id, context)
@@ -349,6 +409,27 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         return segment
 
+    @staticmethod
+    def _stream(run: RunState, worker_id: int, call: shard_pb2.StreamCall, context: grpc.ServicerContext) -> DataStream:
+        with run.cond:
+            stream = run.streams.get((worker_id, call.stream))
+        if stream is None or stream.closed:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"data stream {call.stream} is not open for worker {worker_id}"
+            )
+        return stream
+
+    @contextmanager
+    def _receiver(
+        self, run: RunState, worker_id: int, call: shard_pb2.StreamCall, context: grpc.ServicerContext
+    ) -> Iterator[CallReceiver]:
+        """The receive direction of the worker's stream for one push."""
+        stream = self._stream(run, worker_id, call, context)
+        with stream.receiving(call.call, _time_left(context)) as receiver:
+            if receiver is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy in this direction")
+            yield receiver
+
     def _payload(
         self,
         run: RunState,
@@ -356,9 +437,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         msg: tensor_pb2.TensorPart,
         received: wire.Buffer,
         context: grpc.ServicerContext,
+        receiver: CallReceiver | None = None,
     ) -> wire.Buffer:
-        """A part's payload: the bytes `received` with it, or the region of the worker's segment
-        it names (TensorPart.shared; then nothing may be received)."""
+        """A part's payload: the bytes `received` with it, the region of the worker's segment it
+        names (TensorPart.shared) or its bytes on the call's data stream (TensorPart.streamed);
+        in the latter two cases nothing may be received."""
+        if msg.streamed:
+            return self._streamed(msg, received, receiver, context)
         if not msg.HasField("shared"):
             return received
         if len(received):
@@ -370,6 +455,36 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             return segment.region(msg.shared.offset, msg.shared.length)
         except SegmentError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    @staticmethod
+    def _streamed(
+        msg: tensor_pb2.TensorPart,
+        received: wire.Buffer,
+        receiver: CallReceiver | None,
+        context: grpc.ServicerContext,
+    ) -> memoryview:
+        """The next `msg.streamed` bytes of the call's data stream, read into a fresh buffer."""
+        name = f"{msg.name}/{msg.index}"
+        if receiver is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {name} is streamed, but the call has no stream")
+        if len(received) or msg.HasField("shared"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {name} is streamed and has another payload")
+        try:
+            limit = get_codec(msg.codec).max_payload_bytes(msg.count)
+        except CodecError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {name}: {e}")
+        if msg.lz4:
+            limit += limit // 128 + 1024  # an incompressible lz4 frame is a little longer than its content
+        if msg.streamed > limit:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"part {name}: {msg.streamed} streamed bytes, more than {limit}"
+            )
+        buffer = np.empty(msg.streamed, dtype=np.uint8)
+        try:
+            receiver.receive_into(memoryview(buffer))
+        except StreamError as e:
+            context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        return memoryview(buffer)
 
     def _writer(self, run: RunState, request, context: grpc.ServicerContext) -> RegionWriter:
         """Where a pull or group average writes its payloads: the region `request.into` of one of
@@ -414,12 +529,20 @@ def _pull_part(
     return meta, payload
 
 
-def _responses(response_type, part_field: int, replies, raw: bool) -> Iterator:
+def _responses(response_type, part_field: int, replies, raw: bool, sender: CallSender | None = None) -> Iterator:
     """The messages of a pull or a group average answering with `replies` ((metadata, payload)
     per part): parts in shared memory and small ones together, up to wire.BATCH_BYTES a message;
-    a large payload alone, in `part_field`. Serialized when `raw` (the payload copied once)."""
+    a large payload alone, in `part_field`, or, given a data stream's `sender`, on the stream
+    after a message with its metadata. Serialized when `raw` (the payload copied once)."""
     batch = wire.PartBatch(response_type)
     for meta, payload in replies:
+        if sender is not None and len(payload) > wire.SMALL_PAYLOAD:
+            meta.streamed = len(payload)
+            response = response_type()
+            response.part.CopyFrom(meta)
+            yield response.SerializeToString() if raw else response
+            sender.send(payload)  # resumed once the message is on its way: the worker reads after it
+            continue
         if len(payload) > wire.SMALL_PAYLOAD:
             if raw:
                 yield b"".join(wire.part_message(b"", part_field, meta, payload))
@@ -433,6 +556,12 @@ def _responses(response_type, part_field: int, replies, raw: bool) -> Iterator:
             yield full.SerializeToString() if raw else full
     if (rest := batch.take()) is not None:
         yield rest.SerializeToString() if raw else rest
+
+
+def _time_left(context: grpc.ServicerContext) -> float:
+    """Seconds until the call's deadline (the default wait when the client set none)."""
+    remaining = context.time_remaining()
+    return _DEFAULT_WAIT_S if remaining is None else remaining
 
 
 def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
@@ -463,6 +592,13 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--port", envvar="GRADPS_PORT", default=50052, type=int, help="Port to bind on [::] (0: any free).")
+@click.option(
+    "--data-port",
+    envvar="GRADPS_DATA_PORT",
+    default=50053,
+    type=click.IntRange(-1, 65535),
+    help="Port for workers' data streams (payloads as raw TCP beside gRPC; 0: any free, -1: none).",
+)
 @click.option("--coordinator", envvar="GRADPS_COORDINATOR", required=True, help="Coordinator HOST:PORT.")
 @click.option(
     "--advertise-host",
@@ -473,18 +609,36 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
 @device_option("Where parts live and updates run (auto: CUDA when present).", envvar="GRADPS_DEVICE")
 @click.option("--port-file", envvar="GRADPS_PORT_FILE", default=None, help="Write the bound port here.")
 @click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
-def main(port: int, coordinator: str, advertise_host: str, device: str, port_file: str | None, log_level: str) -> None:
+def main(
+    port: int,
+    data_port: int,
+    coordinator: str,
+    advertise_host: str,
+    device: str,
+    port_file: str | None,
+    log_level: str,
+) -> None:
     """gradps shard: holds parts of the parameters and applies the run's update rule."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s shard %(levelname)s %(message)s")
     torch_device = torch.device(device)
+    try:
+        listener = StreamListener(data_port) if data_port >= 0 else None
+    except OSError as e:
+        raise click.UsageError(f"--data-port {data_port}: {e.strerror or e}") from None
     server = make_server()
-    add_shard_servicer(ShardServicer(torch_device), server)
+    add_shard_servicer(ShardServicer(torch_device, listener), server)
     add_health(server, ["gradps.v1.ShardService"])
     bound = bind(server, port)
     server.start()
     index = register_with_coordinator(coordinator, f"{advertise_host}:{bound}", str(torch_device))
     write_port_file(port_file, bound)
-    _LOGGER.info("shard %d serving on port %d (%s)", index, bound, torch_device)
+    _LOGGER.info(
+        "shard %d serving on port %d, data streams on %s (%s)",
+        index,
+        bound,
+        listener.port if listener else "none",
+        torch_device,
+    )
     serve_until_signal(server)
 
 

@@ -18,7 +18,7 @@ def join_run(
     tensors: dict[str, torch.Tensor],
     n_workers: int = 1,
     codec: tensor_pb2.CodecParams = NONE,
-    shared_memory: bool = True,
+    transport: str = "shm",
 ) -> tuple[str, list[WorkerSession], list[ParameterClient], shard_pb2.Placement]:
     """Submit `spec`, join `n_workers` sessions as its workers and create the placement;
     returns (run_id, sessions, clients, placement). Close with `leave`."""
@@ -29,7 +29,7 @@ def join_run(
     assert all(a is not None and a.run_id == run_id for a in assignments)
     placement = sessions[0].placement(run_id, tensor_specs(tensors), total_steps=100)
     clients = [
-        ParameterClient(placement, run_id, s.worker_id, codec, NONE, timeout_s=10, shared_memory=shared_memory)
+        ParameterClient(placement, run_id, s.worker_id, codec, NONE, timeout_s=10, transport=transport)
         for s in sessions
     ]
     return run_id, sessions, clients, placement

@@ -41,8 +41,8 @@ def test_decode_on_cuda_matches_cpu(codec):
     torch.testing.assert_close(on_cuda.cpu(), on_cpu, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
-def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer(shared_memory):
+@pytest.mark.parametrize("transport", ["shm", "stream", "grpc"])
+def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer(transport):
     """Gradients and weights on the worker's GPU too: shared memory takes them device to segment."""
     from client.local_cluster import LocalCluster
     from client.sdk import Client
@@ -61,10 +61,9 @@ def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer(shared_memory)
         try:
             assert session.wait_for_assignment(wait_s=10).run_id == run_id
             placement = session.placement(run_id, tensor_specs(tensors), total_steps=10)
-            ps = ParameterClient(
-                placement, run_id, session.worker_id, none, none, timeout_s=30, shared_memory=shared_memory
-            )
-            assert ps.shared_shards == ([0] if shared_memory else [])
+            ps = ParameterClient(placement, run_id, session.worker_id, none, none, timeout_s=30, transport=transport)
+            assert ps.shared_shards == ([0] if transport == "shm" else [])
+            assert ps.streamed_shards == ([0] if transport == "stream" else [])
             ps.register(tensors)
             reference = {n: torch.nn.Parameter(t.clone()) for n, t in tensors.items()}
             opt = torch.optim.Adam(reference.values(), lr=spec.lr)

@@ -201,8 +201,8 @@ def test_pull_times_out_cleanly_when_version_never_comes(shards_only):
         leave(sessions, clients)
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
-def test_many_small_parts_travel_in_batches_both_ways(shards_only, shared_memory):
+@pytest.mark.parametrize("transport", ["grpc", "stream", "shm"])
+def test_many_small_parts_travel_in_batches_both_ways(shards_only, transport):
     # 16 MiB in 256 KiB parts: ~21 parts per shard, more than one 4 MiB batch each way.
     torch.manual_seed(1)
     tensors = {"w": torch.randn(4 << 20), "b": torch.randn(10)}
@@ -210,7 +210,7 @@ def test_many_small_parts_travel_in_batches_both_ways(shards_only, shared_memory
     spec = run_pb2.RunSpec(
         scheme="asgd", workers=1, steps=100, part_size=256 << 10, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr)
     )
-    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, shared_memory=shared_memory)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, transport=transport)
     try:
         assert len(placement.parts) == 65
         client = clients[0]
@@ -236,8 +236,8 @@ class _BrokenStream(grpc.RpcError):
         return "stream broken by the test"
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
-def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, shared_memory):
+@pytest.mark.parametrize("transport", ["grpc", "stream", "shm"])
+def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, transport):
     # Small parts (batched) before and after large ones (a message each): the stream breaks after
     # the push's first message, while small parts wait in a batch; the retry must send them all.
     torch.manual_seed(2)
@@ -246,7 +246,7 @@ def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, shared_memory)
     spec = run_pb2.RunSpec(
         scheme="asgd", workers=1, steps=100, part_size=1 << 20, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr)
     )
-    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, shared_memory=shared_memory)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, transport=transport)
     try:
         client = clients[0]
         client.register(tensors)
@@ -272,16 +272,17 @@ def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, shared_memory)
         leave(sessions, clients)
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
-def test_a_group_average_moves_large_and_batched_small_parts(shards_only, shared_memory):
+@pytest.mark.parametrize("transport", ["shm", "stream", "grpc"])
+def test_a_group_average_moves_large_and_batched_small_parts(shards_only, transport):
     # One large part per shard at most (1 MiB parts) and many small ones (batched, > 4 MiB per shard).
     torch.manual_seed(3)
     tensors = {"big": torch.randn(3 << 18)} | {f"s{i}": torch.randn(50_000) for i in range(90)}
     spec = run_pb2.RunSpec(scheme="wagma", workers=1, steps=100, part_size=1 << 20)
-    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, shared_memory=shared_memory)
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, transport=transport)
     try:
         client = clients[0]
-        assert client.shared_shards == ([0, 1, 2] if shared_memory else [])
+        assert client.shared_shards == ([0, 1, 2] if transport == "shm" else [])
+        assert client.streamed_shards == ([0, 1, 2] if transport == "stream" else [])
         client.register(tensors)
         average, frontier = client.group_average(tensors, step=3, members=[sessions[0].worker_id], is_global=False)
         assert frontier == 3

@@ -62,7 +62,7 @@ def test_segments_left_by_dead_creators_are_removed(tmp_path, monkeypatch):
     segment.unlink()
 
 
-def _train(address: str, codec: str, shared: bool, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[int]]:
+def _train(address: str, codec: str, transport: str, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Push and pull a few asgd steps; the weights pulled at the end and the shards that got
     payloads through shared memory."""
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def _train(address: str, codec: str, shared: bool, steps: int = 3) -> tuple[dict
         scheme="asgd", workers=1, steps=100, part_size=64 << 10, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1)
     )
     run_id, sessions, clients, placement = join_run(
-        address, spec, tensors, codec=parse_codec(codec), shared_memory=shared
+        address, spec, tensors, codec=parse_codec(codec), transport=transport
     )
     try:
         assert not _own_segments(), "segments are unlinked as soon as the shard mapped them"
@@ -91,8 +91,8 @@ def _train(address: str, codec: str, shared: bool, steps: int = 3) -> tuple[dict
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
 def test_shared_payloads_give_the_same_weights_as_inline_ones(shards_only, codec):
-    inline, inline_shards = _train(shards_only.address, codec, shared=False)
-    shared, shared_shards = _train(shards_only.address, codec, shared=True)
+    inline, inline_shards = _train(shards_only.address, codec, transport="grpc")
+    shared, shared_shards = _train(shards_only.address, codec, transport="shm")
     assert inline_shards == [] and shared_shards == [0, 1, 2]
     for name in inline:
         assert torch.equal(shared[name], inline[name]), name  # bit-exact
@@ -100,10 +100,10 @@ def test_shared_payloads_give_the_same_weights_as_inline_ones(shards_only, codec
 
 
 def test_a_shard_that_cannot_open_the_segment_gets_payloads_inline(shards_only, tmp_path, monkeypatch):
-    expected, _ = _train(shards_only.address, "none", shared=False)
+    expected, _ = _train(shards_only.address, "none", transport="grpc")
     # The worker's segments go where the shards cannot see them: another host, as far as they know.
     monkeypatch.setattr(shared_memory, "SHM_DIR", tmp_path)
-    pulled, shared_shards = _train(shards_only.address, "none", shared=True)
+    pulled, shared_shards = _train(shards_only.address, "none", transport="shm")
     assert shared_shards == []
     for name in expected:
         assert torch.equal(pulled[name], expected[name]), name

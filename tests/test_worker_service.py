@@ -68,20 +68,31 @@ def test_a_worker_waits_out_a_coordinator_restart_and_stops_cleanly(tmp_path: Pa
                 process.wait()
 
 
-def test_the_worker_moves_payloads_through_shared_memory_unless_told_not_to(tmp_path: Path):
+def test_each_worker_moves_payloads_the_way_it_was_told(tmp_path: Path):
     from client.local_cluster import LocalCluster
     from gradps.v1 import coordinator_pb2 as cpb
     from gradps.v1 import run_pb2
 
+    transports = ("shm", "stream", "grpc")
     with LocalCluster(shards=2, workers=0) as cluster:
         workers = [
-            _spawn(tmp_path, name, "gpu_worker.service", "--coordinator", cluster.address, "--name", name, *flags)
-            for name, flags in [("shm", ()), ("inline", ("--no-shared-memory",))]
+            _spawn(
+                tmp_path,
+                name,
+                "gpu_worker.service",
+                "--coordinator",
+                cluster.address,
+                "--name",
+                name,
+                "--transport",
+                name,
+            )
+            for name in transports
         ]
         try:
-            spec = run_pb2.RunSpec(scheme="sync", workers=2, steps=5, eval_every=0)
+            spec = run_pb2.RunSpec(scheme="sync", workers=3, steps=5, eval_every=0)
             with Client(cluster.address) as client:
-                client.wait_for_cluster(shards=2, workers=2)
+                client.wait_for_cluster(shards=2, workers=3)
                 run_id = client.submit(spec)
                 for update in client.watch(run_id):
                     if update.run.state not in (cpb.RUN_STATE_PENDING, cpb.RUN_STATE_RUNNING):
@@ -91,6 +102,9 @@ def test_the_worker_moves_payloads_through_shared_memory_unless_told_not_to(tmp_
             for worker in workers:
                 worker.send_signal(signal.SIGTERM)
                 worker.wait(timeout=30)
-    shm, inline = ((tmp_path / f"{name}.log").read_text() for name in ("shm", "inline"))
-    assert "to shards [0, 1] through shared memory, to [] inline" in shm, shm[-2000:]
-    assert "to shards [] through shared memory, to [0, 1] inline" in inline, inline[-2000:]
+    shm, stream, grpc = ((tmp_path / f"{name}.log").read_text() for name in transports)
+    assert "to shards [0, 1] through shared memory, to [] on data streams, to [] inline" in shm, shm[-2000:]
+    assert "to shards [] through shared memory, to [0, 1] on data streams, to [] inline" in stream, stream[-2000:]
+    assert "to shards [] through shared memory, to [] on data streams, to [0, 1] inline" in grpc, grpc[-2000:]
+    for log in (shm, stream, grpc):
+        assert "Traceback" not in log and "payloads inline from now on" not in log, log[-2000:]

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import click
 
-from client.bench.workers import TRANSPORTS
+from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
 
 
@@ -61,11 +61,12 @@ parse_transports = parse_choices(TRANSPORTS)
 
 
 def transport_option(fn: Callable) -> Callable:
-    """`--transport shm,grpc`, given to the command as `transports`."""
+    """`--transport shm,stream,grpc`, given to the command as `transports`."""
     return click.option(
         "--transport",
         "transports",
         default=",".join(TRANSPORTS),
         callback=parse_transports,
-        help="Where payloads travel: shm (shared memory, calls over gRPC), grpc (in the messages).",
+        help="Where payloads travel: shm (shared memory), stream (raw TCP data streams), grpc (in the "
+        "messages); calls go through gRPC in all three.",
     )(fn)

@@ -18,8 +18,9 @@ from rich.table import Table
 
 from client.bench.options import parse_codecs, parse_counts, parse_list, transport_option
 from client.bench.references import GlooReference, TcpReference
-from client.bench.workers import TRANSPORTS, BenchWorkers, Job, submit_run
+from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
+from gpu_worker.ps_client import TRANSPORTS
 from gradps.device import device_option
 
 MiB = 1 << 20

@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass
 
 MiB = 1 << 20
-# Where a bench worker's payloads travel: shared memory (calls still over gRPC), or the messages.
-TRANSPORTS = ("shm", "grpc")
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,8 @@ class Job:
     rounds: int
     # Iterations per round (small sizes repeat to make a round long enough to time).
     iters: int
-    # Payloads in shared memory ("shm") or in the gRPC messages ("grpc").
+    # Where payloads travel (gpu_worker.ps_client.TRANSPORTS): shared memory, data streams, or
+    # the gRPC messages; the bench checks that every shard got what was asked.
     transport: str = "shm"
     # Where the worker's parameters and gradients live.
     device: str = "cpu"
@@ -58,13 +57,13 @@ def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queu
     total = job.warmup + job.rounds * job.iters + 1
     placement = session.placement(job.run_id, tensor_specs(params), total)
     none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
-    shared = job.transport == "shm"
     client = ParameterClient(
-        placement, job.run_id, session.worker_id, parse_codec(job.codec), none, shared_memory=shared
+        placement, job.run_id, session.worker_id, parse_codec(job.codec), none, transport=job.transport
     )
     owners = sorted({p.shard for p in placement.parts})
-    if shared and client.shared_shards != owners:
-        raise RuntimeError(f"shared memory with shards {client.shared_shards} only, of {owners}")
+    got = {"shm": client.shared_shards, "stream": client.streamed_shards, "grpc": owners}[job.transport]
+    if got != owners:
+        raise RuntimeError(f"{job.transport} with shards {got} only, of {owners}")
     step = 0
 
     def once() -> None:

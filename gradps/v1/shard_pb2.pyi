@@ -103,7 +103,7 @@ class PartRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "parts", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step", "into")
+    __slots__ = ("run_id", "worker_id", "parts", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step", "into", "stream")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class PullRequest(_message.Message):
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_STEP_FIELD_NUMBER: _ClassVar[int]
     INTO_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     parts: _containers.RepeatedCompositeFieldContainer[PartRef]
@@ -124,7 +125,8 @@ class PullRequest(_message.Message):
     gradient: bool
     gradient_step: int
     into: _tensor_pb2.SharedRegion
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ...) -> None: ...
+    stream: StreamCall
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("part", "parts")
@@ -135,18 +137,20 @@ class PullResponse(_message.Message):
     def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "part", "parts")
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
     part: _tensor_pb2.TensorPart
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
+    stream: StreamCall
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("parts", "staleness", "applied")
@@ -203,6 +207,32 @@ class MapSegmentResponse(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     size: int
     def __init__(self, size: _Optional[int] = ...) -> None: ...
+
+class OpenStreamRequest(_message.Message):
+    __slots__ = ("run_id", "worker_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    worker_id: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ...) -> None: ...
+
+class OpenStreamResponse(_message.Message):
+    __slots__ = ("port", "token", "stream")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    stream: int
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., stream: _Optional[int] = ...) -> None: ...
+
+class StreamCall(_message.Message):
+    __slots__ = ("stream", "call")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    call: int
+    def __init__(self, stream: _Optional[int] = ..., call: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -70,6 +70,11 @@ class ShardServiceStub:
                 request_serializer=gradps_dot_v1_dot_shard__pb2.MapSegmentRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_shard__pb2.MapSegmentResponse.FromString,
                 _registered_method=True)
+        self.OpenStream = channel.unary_unary(
+                '/gradps.v1.ShardService/OpenStream',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.OpenStreamRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.OpenStreamResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/gradps.v1.ShardService/GetStats',
                 request_serializer=gradps_dot_v1_dot_shard__pb2.GetStatsRequest.SerializeToString,
@@ -141,6 +146,20 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenStream(self, request, context):
+        """Worker -> shard: open a data stream for this run, a TCP connection beside gRPC on which the
+        payloads of this worker's pushes (worker to shard) and pulls (shard to worker) travel as raw
+        bytes (TensorPart.streamed, StreamCall): no protobuf or HTTP/2 framing, no copies but the
+        kernel's. The worker connects to `port` on the shard's host, writes `token` and reads one
+        byte, 1, once the shard has attached the connection; a connection that does not present a
+        live token within 10 s is closed. Calls, deadlines and status codes stay gRPC. Any failure of
+        a call using the stream closes it (its bytes can no longer be framed); the worker then sends
+        payloads inline. FAILED_PRECONDITION when the shard has no data port.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Counters of a run on this shard.
         """
@@ -194,6 +213,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.MapSegment,
                     request_deserializer=gradps_dot_v1_dot_shard__pb2.MapSegmentRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_shard__pb2.MapSegmentResponse.SerializeToString,
+            ),
+            'OpenStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenStream,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.OpenStreamRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.OpenStreamResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -396,6 +420,33 @@ class ShardService:
             '/gradps.v1.ShardService/MapSegment',
             gradps_dot_v1_dot_shard__pb2.MapSegmentRequest.SerializeToString,
             gradps_dot_v1_dot_shard__pb2.MapSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.ShardService/OpenStream',
+            gradps_dot_v1_dot_shard__pb2.OpenStreamRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.OpenStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

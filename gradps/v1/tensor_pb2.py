@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gradps/v1/tensor.proto\x12\tgradps.v1\"Z\n\x0b\x43odecParams\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.gradps.v1.Codec\x12\r\n\x05ratio\x18\x02 \x01(\x02\x12\x1b\n\x13stochastic_rounding\x18\x03 \x01(\x08\"J\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.gradps.v1.DType\"\xe8\x01\n\nTensorPart\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\x1f\n\x05\x64type\x18\x05 \x01(\x0e\x32\x10.gradps.v1.DType\x12%\n\x05\x63odec\x18\x06 \x01(\x0b\x32\x16.gradps.v1.CodecParams\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x0f\n\x07version\x18\x08 \x01(\x04\x12\x0b\n\x03lz4\x18\t \x01(\x08\x12\'\n\x06shared\x18\n \x01(\x0b\x32\x17.gradps.v1.SharedRegion\"?\n\x0cSharedRegion\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04*\x8f\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_NONE\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x0e\n\nCODEC_INT8\x10\x04\x12\x0e\n\nCODEC_TOPK\x10\x05\x12\x0f\n\x0b\x43ODEC_RANDK\x10\x06\x12\x0e\n\nCODEC_SIGN\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gradps/v1/tensor.proto\x12\tgradps.v1\"Z\n\x0b\x43odecParams\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.gradps.v1.Codec\x12\r\n\x05ratio\x18\x02 \x01(\x02\x12\x1b\n\x13stochastic_rounding\x18\x03 \x01(\x08\"J\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.gradps.v1.DType\"\xfa\x01\n\nTensorPart\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\x1f\n\x05\x64type\x18\x05 \x01(\x0e\x32\x10.gradps.v1.DType\x12%\n\x05\x63odec\x18\x06 \x01(\x0b\x32\x16.gradps.v1.CodecParams\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x0f\n\x07version\x18\x08 \x01(\x04\x12\x0b\n\x03lz4\x18\t \x01(\x08\x12\'\n\x06shared\x18\n \x01(\x0b\x32\x17.gradps.v1.SharedRegion\x12\x10\n\x08streamed\x18\x0b \x01(\x04\"?\n\x0cSharedRegion\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04*\x8f\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_NONE\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x0e\n\nCODEC_INT8\x10\x04\x12\x0e\n\nCODEC_TOPK\x10\x05\x12\x0f\n\x0b\x43ODEC_RANDK\x10\x06\x12\x0e\n\nCODEC_SIGN\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradps.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=505
-  _globals['_DTYPE']._serialized_end=612
-  _globals['_CODEC']._serialized_start=615
-  _globals['_CODEC']._serialized_end=758
+  _globals['_DTYPE']._serialized_start=523
+  _globals['_DTYPE']._serialized_end=630
+  _globals['_CODEC']._serialized_start=633
+  _globals['_CODEC']._serialized_end=776
   _globals['_CODECPARAMS']._serialized_start=37
   _globals['_CODECPARAMS']._serialized_end=127
   _globals['_TENSORSPEC']._serialized_start=129
   _globals['_TENSORSPEC']._serialized_end=203
   _globals['_TENSORPART']._serialized_start=206
-  _globals['_TENSORPART']._serialized_end=438
-  _globals['_SHAREDREGION']._serialized_start=440
-  _globals['_SHAREDREGION']._serialized_end=503
+  _globals['_TENSORPART']._serialized_end=456
+  _globals['_SHAREDREGION']._serialized_start=458
+  _globals['_SHAREDREGION']._serialized_end=521
 # @@protoc_insertion_point(module_scope)

@@ -60,7 +60,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorPart(_message.Message):
-    __slots__ = ("name", "index", "offset", "count", "dtype", "codec", "payload", "version", "lz4", "shared")
+    __slots__ = ("name", "index", "offset", "count", "dtype", "codec", "payload", "version", "lz4", "shared", "streamed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class TensorPart(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LZ4_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     name: str
     index: int
     offset: int
@@ -81,7 +82,8 @@ class TensorPart(_message.Message):
     version: int
     lz4: bool
     shared: SharedRegion
-    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[CodecParams, _Mapping]] = ..., payload: _Optional[bytes] = ..., version: _Optional[int] = ..., lz4: _Optional[bool] = ..., shared: _Optional[_Union[SharedRegion, _Mapping]] = ...) -> None: ...
+    streamed: int
+    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[CodecParams, _Mapping]] = ..., payload: _Optional[bytes] = ..., version: _Optional[int] = ..., lz4: _Optional[bool] = ..., shared: _Optional[_Union[SharedRegion, _Mapping]] = ..., streamed: _Optional[int] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
     __slots__ = ("segment", "offset", "length")

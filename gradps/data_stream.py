@@ -1,0 +1,254 @@
+"""Data streams: the payloads of pushes and pulls between a worker and a shard on another host, as
+raw bytes on a TCP connection beside gRPC.
+
+Through gRPC a payload costs protobuf framing, HTTP/2 framing and grpcio's copies on both sides
+(one per send, two per receive): 42-51% of raw loopback TCP at 64 MiB (docs/performance.md). On a
+data stream it costs the kernel's two copies, as the TCP reference does. gRPC still carries every
+call, its metadata, deadline and status; a part's message says how many of its bytes follow on the
+stream (TensorPart.streamed), and the receiver reads them with `recv_into` straight into a tensor.
+
+The shard listens on a data port (StreamListener). A worker asks it for a stream over gRPC
+(ShardService.OpenStream: port and a random token), connects, presents the token and waits for the
+shard's one-byte answer; the stream then belongs to that worker in that run. Each direction (push:
+worker to shard; pull: shard to worker) is used by one call at a time, and every call's bytes start
+with its call number (StreamCall.call). A call that fails for any reason closes the stream: its
+bytes can no longer be framed, and the worker sends payloads inline from then on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+_LOGGER = logging.getLogger("gradps.stream")
+TOKEN_BYTES = 16
+# A connection must present its token this soon after connecting, and the worker's token is
+# valid this long after OpenStream answered.
+HANDSHAKE_S = 10.0
+# Socket buffers and the largest single send or receive: big, so that Python's per-call cost
+# vanishes (the same as the TCP reference of `gradps bench transport`).
+SOCKET_BUFFER = 4 << 20
+_CALL = struct.Struct("<Q")
+_ATTACHED = b"\x01"
+
+
+class StreamError(Exception):
+    """A stream that cannot be opened, or broke or lost its framing during a call."""
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], min(len(view) - got, SOCKET_BUFFER))
+        if n == 0:
+            raise StreamError("the peer closed the data stream")
+        got += n
+
+
+class DataStream:
+    """One worker's connection to one shard in one run. `sending` and `receiving` claim a
+    direction for one call."""
+
+    def __init__(self, sock: socket.socket, stream_id: int) -> None:
+        self.id = stream_id
+        # One socket object per direction, so that each has its own timeout (the calls in the two
+        # directions have their own deadlines); both are the same connection.
+        self._sockets = {"send": sock.dup(), "receive": sock}
+        for each in self._sockets.values():
+            # Timeout mode keeps the shared descriptor non-blocking: every wait is bounded.
+            each.settimeout(HANDSHAKE_S)
+        self._directions = {"send": threading.Lock(), "receive": threading.Lock()}
+        self._calls = itertools.count(1)
+        self.closed = False
+
+    @classmethod
+    def connect(cls, host: str, port: int, token: bytes, stream_id: int, timeout_s: float) -> DataStream:
+        """The worker's end: connect to the shard's data port and present `token`."""
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as e:
+            raise StreamError(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+        try:
+            _tune(sock)
+            sock.sendall(token)
+            answer = bytearray(1)
+            _recv_exact(sock, memoryview(answer))
+            if bytes(answer) != _ATTACHED:
+                raise StreamError(f"the shard answered {bytes(answer)!r} to the token")
+        except (OSError, StreamError) as e:
+            sock.close()
+            raise StreamError(f"data stream to {host}:{port} refused: {e}") from None
+        return cls(sock, stream_id)
+
+    def next_call(self) -> int:
+        """A call number not used on this stream before (the worker numbers its calls)."""
+        return next(self._calls)
+
+    @contextmanager
+    def sending(self, call: int, timeout_s: float) -> Iterator[CallSender | None]:
+        """The send direction for call `call`, or None while another call has it or the stream is
+        closed. An exception out of the block closes the stream."""
+        with self._claim("send") as claimed:
+            yield CallSender(self, call, timeout_s) if claimed else None
+
+    @contextmanager
+    def receiving(self, call: int, timeout_s: float) -> Iterator[CallReceiver | None]:
+        """The receive direction for call `call`; like `sending`."""
+        with self._claim("receive") as claimed:
+            yield CallReceiver(self, call, timeout_s) if claimed else None
+
+    @contextmanager
+    def _claim(self, direction: str) -> Iterator[bool]:
+        lock = self._directions[direction]
+        if self.closed or not lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield True
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            lock.release()
+
+    def close(self) -> None:
+        """Close the connection: a call blocked on it in either direction fails at once."""
+        self.closed = True
+        try:
+            self._sockets["receive"].shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for sock in self._sockets.values():
+            sock.close()
+
+
+class _CallIO:
+    """One call's use of one direction of a stream."""
+
+    def __init__(self, stream: DataStream, call: int, timeout_s: float) -> None:
+        self.stream = stream
+        self.call = call
+        self._deadline = time.monotonic() + timeout_s
+        self.started = False
+
+    def _socket(self, direction: str) -> socket.socket:
+        sock = self.stream._sockets[direction]
+        sock.settimeout(max(0.001, self._deadline - time.monotonic()))
+        return sock
+
+    def close(self) -> None:
+        """Give up on the stream (the peer's read or write fails at once)."""
+        self.stream.close()
+
+
+class CallSender(_CallIO):
+    """One call's bytes in the send direction: its number, then payloads in order."""
+
+    def send(self, payload: bytes | bytearray | memoryview) -> None:
+        """Write one payload (the call number first, before the call's first payload)."""
+        try:
+            sock = self._socket("send")
+            if not self.started:
+                sock.sendall(_CALL.pack(self.call))
+                self.started = True
+            sock.sendall(payload)
+        except OSError as e:
+            raise StreamError(f"data stream {self.stream.id}: send failed ({e.strerror or e})") from None
+
+
+class CallReceiver(_CallIO):
+    """One call's bytes in the receive direction, checked against its number."""
+
+    def receive_into(self, view: memoryview) -> None:
+        """Fill `view` (bytes) with the next payload (checking the call number first)."""
+        try:
+            sock = self._socket("receive")
+            if not self.started:
+                number = bytearray(_CALL.size)
+                _recv_exact(sock, memoryview(number))
+                (got,) = _CALL.unpack(number)
+                if got != self.call:
+                    raise StreamError(f"data stream {self.stream.id}: bytes of call {got}, expected call {self.call}")
+                self.started = True
+            _recv_exact(sock, view)
+        except TimeoutError:
+            raise StreamError(f"data stream {self.stream.id}: the payload did not arrive in time") from None
+        except OSError as e:
+            raise StreamError(f"data stream {self.stream.id}: receive failed ({e.strerror or e})") from None
+
+
+class StreamListener:
+    """The shard's end: accepts data streams on one port. `expect` announces a stream (OpenStream)
+    and names the function that attaches its connection once it presents the token."""
+
+    def __init__(self, port: int = 0) -> None:
+        self._server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=64)
+        self.port = self._server.getsockname()[1]
+        self._pending: dict[bytes, tuple[float, int, Callable[[DataStream], bool]]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="data-streams", daemon=True).start()
+
+    def expect(self, attach: Callable[[DataStream], bool]) -> tuple[bytes, int]:
+        """(token, stream id) of a new stream; `attach(stream)` is called when a connection
+        presents the token, and returns False to refuse it (the run closed meanwhile, ...)."""
+        token = secrets.token_bytes(TOKEN_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            # Tokens never presented are forgotten once they expire.
+            self._pending = {t: p for t, p in self._pending.items() if p[0] > now}
+            stream_id = next(self._ids)
+            self._pending[token] = (now + HANDSHAKE_S, stream_id, attach)
+        return token, stream_id
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._handshake, args=(conn,), name="data-stream-handshake", daemon=True).start()
+
+    def _handshake(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(HANDSHAKE_S)
+            token = bytearray(TOKEN_BYTES)
+            _recv_exact(conn, memoryview(token))
+        except (OSError, StreamError):
+            conn.close()
+            return
+        now = time.monotonic()
+        with self._lock:
+            found = next((t for t in self._pending if hmac.compare_digest(t, bytes(token))), None)
+            pending = self._pending.pop(found) if found is not None else None
+        if pending is None or pending[0] < now:
+            _LOGGER.info("data stream refused: unknown or expired token")
+            conn.close()
+            return
+        _, stream_id, attach = pending
+        _tune(conn)
+        stream = DataStream(conn, stream_id)
+        try:
+            if not attach(stream):
+                stream.close()
+                return
+            conn.sendall(_ATTACHED)
+        except OSError:
+            stream.close()
+
+    def close(self) -> None:
+        self._server.close()
