@@ -29,8 +29,10 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # Numeric, so that Kubernetes' runAsNonRoot can verify it.
 USER 10001:10001
 WORKDIR /var/lib/gradps
+# gRPC, and the data port: workers on other hosts stream payloads to it (gradps/data_stream.py).
 ENV GRADPS_PORT=50052 \
+    GRADPS_DATA_PORT=50053 \
     GRADPS_DEVICE=cpu
-EXPOSE 50052
+EXPOSE 50052 50053
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["gradps-healthcheck"]
 ENTRYPOINT ["gradps-shard"]

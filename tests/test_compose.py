@@ -84,7 +84,8 @@ def test_dockerfile(path: Path):
     assert image.user.split(":")[0] not in ("root", "0"), "runs as root"
 
     if "GRADPS_PORT" in image.env:
-        assert image.expose == [image.env["GRADPS_PORT"]], "EXPOSE the port the service binds"
+        ports = [image.env[key] for key in ("GRADPS_PORT", "GRADPS_DATA_PORT") if key in image.env]
+        assert image.expose == ports, "EXPOSE the ports the service binds"
     else:
         assert image.expose == [], "a service without GRADPS_PORT serves no port"
 
@@ -355,6 +356,8 @@ class LocalCluster:
         env |= {k: self._rewrite(k, v) for k, v in self.containers[name].env.items()}
         if "GRADPS_PORT" in env:
             env["GRADPS_PORT"] = str(self.ports[name]) if name in self.ports else "0"
+        if "GRADPS_DATA_PORT" in env:  # every container has its own address; here they share one
+            env["GRADPS_DATA_PORT"] = "0"
         return env
 
     def logs_tail(self, lines: int = 25) -> str:

@@ -313,6 +313,14 @@ def _port_of(workload: dict) -> int | None:
     return int(port) if port else None
 
 
+def _data_ports(workload: dict) -> list[int]:
+    """A shard's data port (GRADPS_DATA_PORT of the manifest, else of the image), if it has one."""
+    container = _container(workload)
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    port = env.get("GRADPS_DATA_PORT", _image(container).env.get("GRADPS_DATA_PORT"))
+    return [int(port)] if port else []
+
+
 def _probes(container: dict) -> dict[str, dict]:
     return {kind: container[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe") if kind in container}
 
@@ -331,8 +339,9 @@ def test_ports_probes_and_services_agree(build: Path):
                 assert probe["exec"]["command"] == image.healthcheck == ["gradps-healthcheck", "worker"], (name, kind)
                 assert probe["exec"]["command"][0] in image.copied_executables
         else:
-            assert [p["containerPort"] for p in container["ports"]] == [port], name
-            assert image.expose == [str(port)], f"{name}: the image EXPOSEs {image.expose}"
+            ports = [port, *_data_ports(workload)]
+            assert [p["containerPort"] for p in container["ports"]] == ports, name
+            assert image.expose == [str(p) for p in ports], f"{name}: the image EXPOSEs {image.expose}"
             for kind, probe in _probes(container).items():
                 assert probe["grpc"] == {"port": port}, f"{name}'s {kind} checks {probe['grpc']}, not the server"
         labels = workload["spec"]["template"]["metadata"]["labels"]
@@ -550,7 +559,7 @@ class Network:
         """The pod's environment on this machine."""
         env = {}
         for key, value in pod.env.items():
-            if key == "GRADPS_PORT":
+            if key in ("GRADPS_PORT", "GRADPS_DATA_PORT"):
                 env[key] = str(self.local[pod.name, int(value)])
             elif re.fullmatch(r"[\w.-]+:\d+", value) and self.resolve(value.rsplit(":", 1)[0]):
                 host, port = value.rsplit(":", 1)
