@@ -251,4 +251,9 @@ class StreamListener:
             stream.close()
 
     def close(self) -> None:
+        """Stop accepting: shut down first, or the thread blocked in accept() keeps the port."""
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._server.close()

@@ -103,6 +103,11 @@ class RunState:
         for key in [key for key in self.streams if key[0] not in live]:
             self.streams.pop(key).close()
 
+    def open_streams(self, worker: int) -> int:
+        """Data streams `worker` holds open (closed ones are forgotten here)."""
+        self.streams = {key: s for key, s in self.streams.items() if not s.closed}
+        return sum(1 for w, _ in self.streams if w == worker)
+
     def close(self) -> None:
         """The run ends on this shard: its data streams close, its segments go with the state."""
         self.closed = True

@@ -200,7 +200,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             return
         with stream.sending(request.stream.call, _time_left(context)) as sender:
             if sender is None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy in this direction")
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
             try:
                 yield from _responses(shard_pb2.PullResponse, _PULL_PART_FIELD, replies(), raw, sender)
             except StreamError as e:
@@ -242,14 +242,22 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                         context.abort(
                             grpc.StatusCode.INVALID_ARGUMENT, f"part {part.key[0]}/{part.key[1]} pushed twice"
                         )
-                    payload = self._payload(run, request.worker_id, msg, payload, context, receiver)
                     # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
                     try:
-                        grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
+                        if msg.streamed and _lossless(msg) and msg.streamed == 4 * part.count:
+                            # Read from the stream straight into the gradient: nothing to decode.
+                            values = torch.empty(part.count)
+                            self._streamed(msg, payload, receiver, context, into=values.numpy())
+                            require_finite(values, "none: decoded values")
+                            grads[part.key], size = values.to(self.device), msg.streamed
+                        else:
+                            payload = self._payload(run, request.worker_id, msg, payload, context, receiver)
+                            grads[part.key] = decode(payload, msg.lz4, msg.codec, part.count, self.device)
+                            size = len(payload)
                     except CodecError as e:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gradient of {msg.name}/{msg.index}: {e}")
                     versions[part.key] = msg.version
-                    nbytes += len(payload)
+                    nbytes += size
                 del payload, msg, parts, request, message  # the received bytes are dead weight once decoded
         if run is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
@@ -306,15 +314,16 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         with run.cond:
             if worker not in run.live_workers:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} is not a live member of the run")
-            opened = sum(1 for w, _ in run.streams if w == worker)
+            opened = run.open_streams(worker)
             if opened >= _MAX_STREAMS_PER_WORKER:
                 context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {worker} already has {opened} data streams in this run"
                 )
 
         def attach(stream: DataStream) -> bool:
+            # Checked again: tokens asked for before any of them connected all passed the check above.
             with run.cond:
-                if run.closed or worker not in run.live_workers:
+                if run.closed or worker not in run.live_workers or run.open_streams(worker) >= _MAX_STREAMS_PER_WORKER:
                     return False
                 run.streams[(worker, stream.id)] = stream
                 return True
@@ -427,7 +436,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         stream = self._stream(run, worker_id, call, context)
         with stream.receiving(call.call, _time_left(context)) as receiver:
             if receiver is None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy in this direction")
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
             yield receiver
 
     def _payload(
@@ -462,8 +471,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         received: wire.Buffer,
         receiver: CallReceiver | None,
         context: grpc.ServicerContext,
+        into: np.ndarray | None = None,
     ) -> memoryview:
-        """The next `msg.streamed` bytes of the call's data stream, read into a fresh buffer."""
+        """The next `msg.streamed` bytes of the call's data stream, read into `into` (an array of
+        that many bytes) or a fresh buffer."""
         name = f"{msg.name}/{msg.index}"
         if receiver is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {name} is streamed, but the call has no stream")
@@ -479,7 +490,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"part {name}: {msg.streamed} streamed bytes, more than {limit}"
             )
-        buffer = np.empty(msg.streamed, dtype=np.uint8)
+        buffer = np.empty(msg.streamed, dtype=np.uint8) if into is None else into.view(np.uint8)
         try:
             receiver.receive_into(memoryview(buffer))
         except StreamError as e:
@@ -556,6 +567,11 @@ def _responses(response_type, part_field: int, replies, raw: bool, sender: CallS
             yield full.SerializeToString() if raw else full
     if (rest := batch.take()) is not None:
         yield rest.SerializeToString() if raw else rest
+
+
+def _lossless(msg: tensor_pb2.TensorPart) -> bool:
+    """Whether a part's payload is its float32 values as they are (codec none, no lz4)."""
+    return msg.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and not msg.lz4
 
 
 def _time_left(context: grpc.ServicerContext) -> float:
