@@ -40,30 +40,30 @@ def test_transport_bench_writes_complete_rows(tmp_path):
         [
             "bench",
             "transport",
-            "--sizes=0.25",
+            "--sizes=1",
             "--shards=1",
             "--workers=2",
             "--codec=none,int8",
             "--rounds=2",
-            "--part-size=0.0625",  # 4 parts per shard
-            "--round-mib=0.5",
+            "--part-size=0.5",  # 2 parts per shard, large enough to go on a data stream
+            "--round-mib=1",
             f"--json={out}",
         ],
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
     ops = sorted((r["op"], r["codec"], r["transport"]) for r in rows)
-    # Every op, codec and transport once; a shm row is only written when every shard mapped the
-    # bench workers' segments (the workers fail otherwise).
+    # Every op, codec and transport once; a shm or stream row is only written when every shard
+    # mapped the bench workers' segments or attached their streams (the workers fail otherwise).
     assert ops == sorted(
         (op, codec, transport)
         for op in ("push_pull", "sync_step")
         for codec in ("none", "int8")
-        for transport in ("shm", "grpc")
+        for transport in ("shm", "stream", "grpc")
     )
     for row in rows:
         assert set(_FIELDS) <= set(row), row
-        assert row["size_mib"] == 0.25 and row["shards"] == 1 and row["workers"] == 2
+        assert row["size_mib"] == 1 and row["shards"] == 1 and row["workers"] == 2
         for field in ("seconds", "gbps", "tcp_gbps", "ratio_vs_tcp", "gloo_seconds", "ratio_vs_gloo"):
             assert _positive(row[field]), (field, row)
 
@@ -112,7 +112,7 @@ def test_bad_bench_options_are_one_line_usage_errors():
         (["memory", "--workers", "0"], "every value must be >= 1"),
         (["memory", "--op", "push_pull,nope"], "unknown value 'nope': expected push_pull or sync_step"),
         (["memory", "--optimizer", "lamb"], "unknown value 'lamb': expected sgd or adam"),
-        (["transport", "--transport", "udp"], "unknown value 'udp': expected shm or grpc"),
+        (["transport", "--transport", "udp"], "unknown value 'udp': expected shm or stream or grpc"),
         (["transport", "--sizes", "1,x"], "expected a comma-separated list"),
         (["transport", "--codec", "zip"], "unknown codec"),
         (["step", "--device", "tpu"], "'tpu' is not one of"),
