@@ -187,7 +187,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if early is None:
                     with run.cond:
                         early = _pull_part(p, p.values, request.codec, into)
-                        if stream is not None and len(early[1]) > wire.SMALL_PAYLOAD:
+                        if stream is not None and rule.pulls_race_updates and len(early[1]) > wire.SMALL_PAYLOAD:
                             # A snapshot: sending waits on the worker, and pushes go on meanwhile.
                             early = early[0], memoryview(bytes(early[1]))
                 meta, payload = early

@@ -563,6 +563,45 @@ def test_a_pull_on_a_stream_sends_large_payloads_after_their_messages(shards_onl
         _rejected(lambda: list(pull("w", 424242, 9)), PRECONDITION, "data stream 424242 is not open")
 
 
+def test_a_streamed_pull_sends_the_part_as_it_was_when_the_pull_took_it(shards_only):
+    # asgd applies pushes while a pull is still sending: the part's bytes on the stream are the
+    # snapshot taken with its version, not the live weights. 48 MiB is more than both sockets'
+    # buffers hold, so the shard is still sending when the other worker's push lands.
+    n = 12 << 20
+    tensors = {"w": torch.arange(n, dtype=torch.float32)}
+    run_id, sessions, clients, placement = join_run(
+        shards_only.address, _spec(workers=2, part_size=4 * n), tensors, n_workers=2, transport="grpc"
+    )
+    mine = sessions[0].worker_id
+    (shard,) = {p.shard for p in placement.parts}
+    with ExitStack() as cleanup, open_channel(placement.shards[shard]) as channel:
+        cleanup.callback(leave, sessions, clients)
+        clients[0].register(tensors)
+        stub = shard_pb2_grpc.ShardServiceStub(channel)
+        stream_id, sock = _attach(stub, run_id, mine)
+        cleanup.callback(sock.close)
+        request = shard_pb2.PullRequest(
+            run_id=run_id, worker_id=mine, stream=shard_pb2.StreamCall(stream=stream_id, call=1)
+        )
+        responses = stub.Pull(request, timeout=30)
+        part = next(responses).part
+        assert part.streamed == 4 * n and part.version == 0
+        clients[1].push({"w": torch.ones(n)}, 0)  # applied at once (asgd): w - 0.5
+        got = np.empty(8 + 4 * n, dtype=np.uint8)
+        view, read = memoryview(got), 0
+        sock.settimeout(10)
+        while read < len(got):
+            received = sock.recv_into(view[read:])
+            assert received, "the shard closed the stream"
+            read += received
+        assert list(responses) == []
+        assert bytes(got[:8]) == struct.pack("<Q", 1)
+        assert np.array_equal(got[8:].view(np.float32), tensors["w"].numpy())
+        after = {"w": torch.empty(n)}
+        clients[0].pull(after)
+        assert torch.equal(after["w"], tensors["w"] - LR)
+
+
 # --- 6. the worker's fallback ------------------------------------------------------------------------
 
 

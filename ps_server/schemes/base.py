@@ -17,6 +17,10 @@ class ShardRule(ABC):
 
     # True when push() only sums gradients: topk/randk parts then arrive as SparsePart.
     sums_sparse_parts: ClassVar[bool] = False
+    # True when an update can land on a part while a worker pulls it (asgd, ssp): a pull that
+    # sends a part's bytes over time (a data stream) sends a snapshot. False for sync, where the
+    # next update waits for the puller's own next push.
+    pulls_race_updates: ClassVar[bool] = True
 
     def __init__(self, run: RunState) -> None:
         self.run = run

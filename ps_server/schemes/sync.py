@@ -21,6 +21,7 @@ class SyncRule(ShardRule):
     max_ahead = 0
     # push() also takes SparsePart gradients (the shard decodes with decode_summand): it only sums.
     sums_sparse_parts = True
+    pulls_race_updates = False
 
     def __init__(self, run) -> None:
         super().__init__(run)
