@@ -159,7 +159,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         stream = self._stream(run, request.worker_id, request.stream, context) if request.HasField("stream") else None
         # Each part's bytes are a snapshot taken under the lock. The live weights are copied part
         # by part as they are sent, each at the version its response reports: the first part
-        # leaves before the last is copied, and no pull holds a copy of every part. Anything else
+        # leaves before the last is copied, and no pull holds a copy of every part (under sync,
+        # where no update can land before the puller's next push, they are sent as they are). Anything else
         # a rule serves (a reduced gradient, ...) is copied at once, under the lock that found
         # it ready. Parts written into the worker's shared region, and small ones, leave together
         # (up to wire.BATCH_BYTES a message); a large payload leaves alone, framed by hand, or on
@@ -187,8 +188,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if early is None:
                     with run.cond:
                         early = _pull_part(p, p.values, request.codec, into)
-                        if stream is not None and rule.pulls_race_updates and len(early[1]) > wire.SMALL_PAYLOAD:
-                            # A snapshot: sending waits on the worker, and pushes go on meanwhile.
+                        if rule.pulls_race_updates and _aliases(early[1], p.values):
+                            # The bytes leave after the lock is released (on a stream, as fast as
+                            # the worker reads), and updates go on meanwhile: send a copy.
                             early = early[0], memoryview(bytes(early[1]))
                 meta, payload = early
                 with run.cond:
@@ -567,6 +569,11 @@ def _responses(response_type, part_field: int, replies, raw: bool, sender: CallS
             yield full.SerializeToString() if raw else full
     if (rest := batch.take()) is not None:
         yield rest.SerializeToString() if raw else rest
+
+
+def _aliases(payload: wire.Buffer, values: torch.Tensor) -> bool:
+    """Whether `payload` is a view of `values`' memory (codec none on the CPU), not a copy."""
+    return isinstance(payload, memoryview) and len(payload) > 0 and values.device.type == "cpu"
 
 
 def _lossless(msg: tensor_pb2.TensorPart) -> bool:
