@@ -85,7 +85,17 @@ def test_adam_bench_times_the_shards_update_and_the_per_part_one(tmp_path):
 
 
 def test_step_bench_breaks_a_real_step_down(tmp_path):
-    b = _bench(tmp_path, "step", "--model=mlp", "--dataset=digits", "--shards=1", "--steps=2", "--warmup=1")
+    b = _bench(
+        tmp_path,
+        "step",
+        "--model=mlp",
+        "--dataset=digits",
+        "--shards=1",
+        "--steps=2",
+        "--warmup=1",
+        "--transport=stream",
+    )
+    assert b["transport"] == "stream"
     assert (b["model"], b["scheme"], b["workers"], b["device"]) == ("mlp", "asgd", 2, "cpu")
     assert b["params"] > 0 and b["steps"] == 2
     for field in ("step_s", "compute_s", "exchange_s", "push_s", "pull_s"):

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from client.local_cluster import LocalCluster
 from client.sdk import Client
+from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
 from gradps.device import device_option
 from gradps.v1 import run_pb2
@@ -51,6 +52,8 @@ class StepBreakdown:
     codec: str
     # Where the workers and shards computed.
     device: str
+    # Where payloads travelled (gpu_worker.ps_client.TRANSPORTS).
+    transport: str
     params: int
     # Whole step: forward + backward + the exchange with the shards.
     step_s: float
@@ -78,7 +81,7 @@ class StepBreakdown:
     steps: int
 
 
-def _worker_main(index: int, coordinator: str, warmup: int, device: str, results: mp.Queue) -> None:
+def _worker_main(index: int, coordinator: str, warmup: int, device: str, transport: str, results: mp.Queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -101,7 +104,9 @@ def _worker_main(index: int, coordinator: str, warmup: int, device: str, results
         # GPU work is asynchronous: wait for it where the step is cut into parts.
         synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         sampler = ShardSampler(len(dataset.train_x), assignment.rank, assignment.world, spec.batch_size, spec.seed)
-        trainer = Trainer(model, session, assignment, spec.steps, evaluate=None, report_every=10**9)
+        trainer = Trainer(
+            model, session, assignment, spec.steps, evaluate=None, report_every=10**9, transport=transport
+        )
         traffic = trainer.client.traffic
         trainer.start()
         model.train()
@@ -160,6 +165,7 @@ def measure_step(
     codec: str,
     device: str = "cpu",
     console: Console | None = None,
+    transport: str = "shm",
 ) -> StepBreakdown:
     """Train `warmup + steps` steps of a real run on a local cluster and break the steps down."""
     log = console.log if console else (lambda *a, **k: None)
@@ -178,7 +184,7 @@ def measure_step(
     with LocalCluster(shards=shards, workers=0, device=device) as cluster:
         results = ctx.Queue()
         processes = [
-            ctx.Process(target=_worker_main, args=(i, cluster.address, warmup, device, results), daemon=True)
+            ctx.Process(target=_worker_main, args=(i, cluster.address, warmup, device, transport, results), daemon=True)
             for i in range(workers)
         ]
         for p in processes:
@@ -186,7 +192,7 @@ def measure_step(
         with Client(cluster.address) as client:
             client.wait_for_cluster(shards, workers)
             client.submit(spec)
-        log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards, on {device}")
+        log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards, on {device}, {transport}")
         done: dict[int, tuple[int, list[dict]]] = {}
         deadline = time.monotonic() + 3600
         while len(done) < workers:
@@ -215,6 +221,7 @@ def measure_step(
         batch_size=batch_size,
         codec=codec,
         device=device,
+        transport=transport,
         params=next(iter(done.values()))[0],
         exposed_comm_fraction=exposed / mean["step_s"] if mean["step_s"] else 0.0,
         steps=steps,
@@ -226,7 +233,7 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
     table = Table(
         "part", "ms / step", "% of step",
         title=f"gradps bench step: {b.model} on {b.dataset}, {b.scheme}, {b.workers} workers, {b.shards} shards, "
-        f"batch {b.batch_size}, {b.params / 1e6:.1f} M params, {b.device} (medians of {b.steps} steps)",
+        f"batch {b.batch_size}, {b.params / 1e6:.1f} M params, {b.device}, {b.transport} (medians of {b.steps} steps)",
     )  # fmt: skip
     rows = [
         ("step", b.step_s),
@@ -258,15 +265,26 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
 @click.option("--warmup", default=2, type=click.IntRange(min=0), help="Steps before measuring.")
 @click.option("--codec", default="none", help="Gradient codec.")
 @device_option("Where the workers and shards compute (auto: CUDA when present).")
+@click.option(
+    "--transport",
+    type=click.Choice(TRANSPORTS),
+    default="shm",
+    help="Where payloads travel: shm (shared memory), stream (raw TCP data streams, as between hosts), "
+    "grpc (in the messages).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the result here.")
-def step(model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, json_path) -> None:
+def step(
+    model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, transport, json_path
+) -> None:
     """Time of one training step: compute, encode, push, wait, pull, decode, apply; overlap."""
     try:
         parse_codec(codec)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--codec") from None
     console = Console(stderr=True)
-    b = measure_step(model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, console)
+    b = measure_step(
+        model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, console, transport
+    )
     print_breakdown(b, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
