@@ -34,6 +34,9 @@ _PUSH_PART_FIELD, _PULL_PART_FIELD = 4, 1
 # gradps/data_stream.py) or "grpc" (in the messages). Each falls back to the next where it cannot
 # be set up, and to the messages for a call that finds it busy or broken.
 TRANSPORTS = ("shm", "stream", "grpc")
+# A data stream that broke is opened again in the background this long after, the wait doubling
+# up to _REOPEN_MAX_S while the shard cannot be reached on it; calls go inline meanwhile.
+_REOPEN_S, _REOPEN_MAX_S = 5.0, 300.0
 
 
 @dataclass
@@ -141,6 +144,8 @@ class ParameterClient:
         self._areas: list[tuple[_Area, _Area] | None] = [None] * len(placement.shards)
         # Each shard's data stream where payloads do not go through shared memory.
         self._streams: list[DataStream | None] = [None] * len(placement.shards)
+        self._reopening = threading.Lock()
+        self._closed = False
         self._pinned = False
         for shard in self._owners:
             if transport == "shm":
@@ -191,8 +196,40 @@ class ParameterClient:
             yield None
             return
         claim = stream.sending if direction == "send" else stream.receiving
-        with claim(stream.next_call(), self.timeout_s) as io:
-            yield io
+        try:
+            with claim(stream.next_call(), self.timeout_s) as io:
+                yield io
+        finally:
+            if stream.closed:
+                self._reopen_later(shard, stream, _REOPEN_S)
+
+    def _reopen_later(self, shard: int, broken: DataStream | None, delay_s: float) -> None:
+        """Forget the shard's stream `broken` (once, whichever call saw it break) and open a new
+        one `delay_s` from now, in the background."""
+        with self._reopening:
+            if self._closed or self._streams[shard] is not broken:
+                return
+            self._streams[shard] = None
+        timer = threading.Timer(delay_s, self._reopen, args=(shard, delay_s))
+        timer.daemon = True
+        timer.start()
+
+    def _reopen(self, shard: int, delay_s: float) -> None:
+        if self._closed:
+            return
+        try:
+            stream = self._open_stream(shard)
+        except ValueError:  # close() closed the channel meanwhile
+            return
+        if stream is None:
+            self._reopen_later(shard, None, min(2 * delay_s, _REOPEN_MAX_S))
+            return
+        with self._reopening:
+            if not self._closed and self._streams[shard] is None:
+                self._streams[shard] = stream
+                _LOGGER.info("shard %d: data stream open again", shard)
+                return
+        stream.close()
 
     def _map_segment(self, shard: int) -> tuple[_Area, _Area] | None:
         """A segment with room for every part of `shard` twice (a push and a pull at once), mapped
@@ -233,6 +270,8 @@ class ParameterClient:
             area.lock.release()
 
     def close(self) -> None:
+        with self._reopening:
+            self._closed = True
         self._pool.shutdown(wait=False)
         self._push_pool.shutdown(wait=False)
         for channel in self._channels:
@@ -291,7 +330,7 @@ class ParameterClient:
                 except (grpc.RpcError, StreamError) as e:
                     if not _stream_broke(e):
                         raise
-                    _LOGGER.warning("shard %d: %s; payloads inline from now on", shard, _reason(e))
+                    _LOGGER.warning("shard %d: %s; payloads inline for now", shard, _reason(e))
                 return fetch_into(shard, area, None)
 
         def fetch_into(shard: int, area: _Area | None, receiver: CallReceiver | None) -> tuple[int, float]:
@@ -415,7 +454,7 @@ class ParameterClient:
                         return response.staleness, sizes[0], sizes[1]
                     except (grpc.RpcError, StreamError) as e:
                         if _stream_broke(e) and attempt < 2:  # the stream is closed now: inline
-                            _LOGGER.warning("shard %d: %s; payloads inline from now on", shard, _reason(e))
+                            _LOGGER.warning("shard %d: %s; payloads inline for now", shard, _reason(e))
                             continue
                         if not isinstance(e, grpc.RpcError) or e.code() not in _RETRYABLE or attempt == 2:
                             raise

@@ -21,6 +21,7 @@ import hmac
 import itertools
 import logging
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -124,6 +125,21 @@ class DataStream:
             raise
         finally:
             lock.release()
+
+    def gone(self) -> bool:
+        """Whether the stream is closed, here or (seen without blocking) by the other end; a
+        stream the other end closed is closed here too."""
+        if not self.closed:
+            sock = self._sockets["receive"]
+            try:
+                readable, _, _ = select.select([sock], [], [], 0)
+                if readable and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    self.close()
+            except BlockingIOError:
+                pass
+            except OSError:
+                self.close()
+        return self.closed
 
     def close(self) -> None:
         """Close the connection: a call blocked on it in either direction fails at once."""

@@ -104,8 +104,8 @@ class RunState:
             self.streams.pop(key).close()
 
     def open_streams(self, worker: int) -> int:
-        """Data streams `worker` holds open (closed ones are forgotten here)."""
-        self.streams = {key: s for key, s in self.streams.items() if not s.closed}
+        """Data streams `worker` holds open (those closed at either end are forgotten here)."""
+        self.streams = {key: s for key, s in self.streams.items() if not s.gone()}
         return sum(1 for w, _ in self.streams if w == worker)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker import ps_client
 from gpu_worker.ps_client import ParameterClient, tensor_specs
 from gradps import data_stream, wire
 from gradps.channel import bind, make_server, open_channel
@@ -606,6 +607,7 @@ def test_a_streamed_pull_sends_the_part_as_it_was_when_the_pull_took_it(shards_o
 
 
 def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(shards_only, monkeypatch):
+    monkeypatch.setattr(ps_client, "_REOPEN_S", 3600.0)  # no new stream during this test
     torch.manual_seed(6)
     tensors = {"w": torch.randn(300_000)}  # three 400 KB parts, one per shard
     spec = _spec(part_size=400_000)
@@ -637,11 +639,12 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
 
         monkeypatch.setattr(CallSender, "send", break_first_send)
         grads = [{"w": torch.randn_like(tensors["w"])} for _ in range(3)]
+        ids = {client._streams[s].id for s in (0, 1, 2)}
         client.push(grads[0], 0)
         (first,) = broken
-        others = [s for s in (0, 1, 2) if client._streams[s] is not first]
-        assert client.streamed_shards == others and len(used) == 2
-        assert {first.id, *used} == {client._streams[s].id for s in (0, 1, 2)}
+        others = [s for s in (0, 1, 2) if client._streams[s] is not None]
+        assert client.streamed_shards == others and len(others) == 2 and len(used) == 2
+        assert {first.id, *used} == ids
         pulled = {"w": torch.zeros_like(tensors["w"])}
         client.pull(pulled)
         expected = tensors["w"] - LR * grads[0]["w"]
@@ -659,7 +662,7 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
         expected -= LR * grads[1]["w"]
         torch.testing.assert_close(pulled["w"], expected, rtol=0, atol=1e-5)
         assert len(broken) == 2 and broken[1] is not first
-        (last,) = [s for s in others if client._streams[s] is not broken[1]]
+        (last,) = [s for s in others if client._streams[s] is not None]
         assert client.streamed_shards == [last]
         used.clear()
         client.push(grads[2], 2)
@@ -671,6 +674,52 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
         assert [s.pushes for s in stats] == [3, 3, 3]
         assert [s.bytes_pushed for s in stats] == [3 * 4 * 100_000] * 3
         assert client.traffic.bytes_pulled == 3 * 4 * 300_000  # three pulls, the refetched one counted once
+    finally:
+        leave(sessions, clients)
+
+
+def test_a_broken_stream_is_opened_again_in_the_background(shards_only, monkeypatch):
+    monkeypatch.setattr(ps_client, "_REOPEN_S", 0.2)
+    torch.manual_seed(7)
+    tensors = {"w": torch.randn(100_000)}  # one 400 KB part: streamed
+    run_id, sessions, clients, placement = join_run(
+        shards_only.address, _spec(part_size=400_000), tensors, transport="stream"
+    )
+    client = clients[0]
+    try:
+        (shard,) = {p.shard for p in placement.parts}
+        client.register(tensors)
+        old = client._streams[shard]
+        old.close()  # as a dropped connection would: the next call finds it closed and goes inline
+        grads = [{"w": torch.randn_like(tensors["w"])} for _ in range(2)]
+        client.push(grads[0], 0)
+        deadline = time.monotonic() + 10
+        while client.streamed_shards != [shard]:
+            assert time.monotonic() < deadline, "no new stream"
+            time.sleep(0.05)
+        new = client._streams[shard]
+        assert new is not old and new.id != old.id
+        used: list[int] = []
+        send = CallSender.send
+
+        def counting_send(self, payload):
+            used.append(self.stream.id)
+            return send(self, payload)
+
+        monkeypatch.setattr(CallSender, "send", counting_send)
+        client.push(grads[1], 1)
+        assert used == [new.id]
+        pulled = {"w": torch.zeros_like(tensors["w"])}
+        client.pull(pulled)
+        expected = tensors["w"] - LR * grads[0]["w"] - LR * grads[1]["w"]
+        torch.testing.assert_close(pulled["w"], expected, rtol=0, atol=1e-5)
+        # The shard forgot the stream the worker closed: with the new one, three more reach the limit.
+        with ExitStack() as cleanup, open_channel(placement.shards[shard]) as channel:
+            stub = shard_pb2_grpc.ShardServiceStub(channel)
+            for _ in range(3):
+                cleanup.callback(_attach(stub, run_id, sessions[0].worker_id)[1].close)
+            request = shard_pb2.OpenStreamRequest(run_id=run_id, worker_id=sessions[0].worker_id)
+            _rejected(lambda: stub.OpenStream(request, timeout=10), grpc.StatusCode.RESOURCE_EXHAUSTED, "already has 4")
     finally:
         leave(sessions, clients)
 

@@ -107,4 +107,4 @@ def test_each_worker_moves_payloads_the_way_it_was_told(tmp_path: Path):
     assert "to shards [] through shared memory, to [0, 1] on data streams, to [] inline" in stream, stream[-2000:]
     assert "to shards [] through shared memory, to [] on data streams, to [0, 1] inline" in grpc, grpc[-2000:]
     for log in (shm, stream, grpc):
-        assert "Traceback" not in log and "payloads inline from now on" not in log, log[-2000:]
+        assert "Traceback" not in log and "payloads inline for now" not in log, log[-2000:]
