@@ -1,5 +1,6 @@
 """The yardsticks a transport is measured against, in the same run: raw loopback TCP between two
-processes, and torch.distributed's gloo all_reduce between the same number of processes.
+processes (with the socket settings of gradps' data streams), and torch.distributed's gloo
+all_reduce between the same number of processes.
 
 Both stay up as idle processes for the whole bench and run one round when asked, so that the
 bench can interleave their rounds with the gRPC rounds: on a shared machine the load changes
@@ -15,26 +16,11 @@ import socket
 import struct
 import time
 
+from gradps.data_stream import StreamError, recv_exact, tune_socket
+
 MiB = 1 << 20
-# Socket buffers and the largest single send/recv: big, so that Python's per-call overhead vanishes.
-_SOCKET_BUFFER = 4 * MiB
 # A round's command on the TCP connection: payload size and round trips.
 _COMMAND = struct.Struct("<QI")
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:], min(len(view) - got, _SOCKET_BUFFER))
-        if n == 0:
-            raise ConnectionError("peer closed")
-        got += n
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _tcp_echo(port_queue: mp.Queue) -> None:
@@ -44,20 +30,20 @@ def _tcp_echo(port_queue: mp.Queue) -> None:
     listener.listen(1)
     port_queue.put(listener.getsockname()[1])
     conn, _ = listener.accept()
-    _tune(conn)
+    tune_socket(conn)
     buffer = bytearray()
     header = memoryview(bytearray(_COMMAND.size))
     while True:
         try:
-            _recv_exact(conn, header)
-        except ConnectionError:
+            recv_exact(conn, header)
+        except StreamError:
             return
         size, n = _COMMAND.unpack(header)
         if len(buffer) < size:
             buffer = bytearray(size)
         view = memoryview(buffer)[:size]
         for _ in range(n):
-            _recv_exact(conn, view)
+            recv_exact(conn, view)
             conn.sendall(view)
 
 
@@ -70,7 +56,7 @@ class TcpReference:
         self._echo = ctx.Process(target=_tcp_echo, args=(ports,), daemon=True)
         self._echo.start()
         self._sock = socket.create_connection(("127.0.0.1", ports.get(timeout=120)))
-        _tune(self._sock)
+        tune_socket(self._sock)
         self._send = bytearray()
         self._back = bytearray()
 
@@ -83,11 +69,11 @@ class TcpReference:
         send, back = memoryview(self._send)[:size], memoryview(self._back)[:size]
         self._sock.sendall(_COMMAND.pack(size, n + 1))
         self._sock.sendall(send)  # warm-up round trip
-        _recv_exact(self._sock, back)
+        recv_exact(self._sock, back)
         start = time.perf_counter()
         for _ in range(n):
             self._sock.sendall(send)
-            _recv_exact(self._sock, back)
+            recv_exact(self._sock, back)
         return (time.perf_counter() - start) / n
 
     def close(self) -> None:
