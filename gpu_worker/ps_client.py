@@ -186,18 +186,19 @@ class ParameterClient:
 
     @contextmanager
     def _stream_call(
-        self, shard: int, direction: str, area: _Area | None
+        self, shard: int, direction: str, area: _Area | None, call: int | None = None
     ) -> Iterator[CallSender | CallReceiver | None]:
         """The shard's data stream in `direction` ("send": a push; "receive": a pull) for one
-        call, None when the call has a shared area, or there is no open stream, or another call
-        has it. A call that fails with it closes the stream (DataStream.sending/receiving)."""
+        call (numbered `call`, else a new number), None when the call has a shared area, or there
+        is no open stream, or another call has it. A call that fails with it closes the stream
+        (DataStream.sending/receiving)."""
         stream = self._streams[shard]
         if area is not None or stream is None:
             yield None
             return
         claim = stream.sending if direction == "send" else stream.receiving
         try:
-            with claim(stream.next_call(), self.timeout_s) as io:
+            with claim(stream.next_call() if call is None else call, self.timeout_s) as io:
                 yield io
         finally:
             if stream.closed:
@@ -504,12 +505,28 @@ class ParameterClient:
 
         def exchange(shard: int) -> tuple[int, int, int]:
             # The deposit goes through the shard's push area and the average comes back through
-            # its pull area where this worker has them; otherwise in the messages.
+            # its pull area where this worker has them; else on its data stream, both ways (the
+            # call holds both directions, under one call number); otherwise in the messages.
             with self._claim(shard, 0) as deposit_area, self._claim(shard, 1) as average_area:
-                return exchange_through(shard, deposit_area, average_area)
+                try:
+                    with self._stream_call(shard, "send", deposit_area) as sender:
+                        call = sender.call if sender is not None else None
+                        with self._stream_call(shard, "receive", average_area, call) as receiver:
+                            both = (sender, receiver) if sender and receiver else (None, None)
+                            return exchange_through(shard, deposit_area, average_area, *both)
+                except (grpc.RpcError, StreamError) as e:
+                    if not _stream_broke(e):
+                        raise
+                    _LOGGER.warning("shard %d: %s; payloads inline for now", shard, _reason(e))
+                # A deposit sent again replaces the first; a fixed round answers again the same.
+                return exchange_through(shard, deposit_area, average_area, None, None)
 
         def exchange_through(
-            shard: int, deposit_area: _Area | None, average_area: _Area | None
+            shard: int,
+            deposit_area: _Area | None,
+            average_area: _Area | None,
+            sender: CallSender | None,
+            receiver: CallReceiver | None,
         ) -> tuple[int, int, int]:
             def request() -> shard_pb2.GroupAverageRequest:
                 return shard_pb2.GroupAverageRequest(
@@ -517,8 +534,10 @@ class ParameterClient:
                 )
 
             # Shared and small parts travel together, up to wire.BATCH_BYTES a message; a large
-            # inline one alone.
-            messages, batch, deposited = [], wire.PartBatch(request), 0
+            # inline one alone; a streamed one's message alone, its bytes after it. Each message
+            # comes with the bytes to send on the stream after it (None for none).
+            messages: list[tuple[shard_pb2.GroupAverageRequest, wire.Buffer | None]] = []
+            batch, deposited = wire.PartBatch(request), 0
             writer = deposit_area.writer() if deposit_area else None
             for p in self._parts_by_shard[shard]:
                 values = flat[p.name][p.offset : p.offset + p.count]  # the shard checks them
@@ -528,26 +547,50 @@ class ParameterClient:
                     meta = self._part_message(p, b"", False)
                     meta.shared.CopyFrom(region)
                     full = batch.add(meta)
+                elif sender is not None and size > wire.SMALL_PAYLOAD:
+                    messages.append((request(), memoryview(values.cpu().numpy()).cast("B")))
+                    self._part_message(p, b"", False, out=messages[-1][0].part).streamed = size
+                    continue
                 else:
                     payload = values.cpu().numpy().tobytes()
                     if size > wire.SMALL_PAYLOAD:
-                        messages.append(request())
-                        self._part_message(p, payload, False, out=messages[-1].part)
+                        messages.append((request(), None))
+                        self._part_message(p, payload, False, out=messages[-1][0].part)
                         continue
                     full = batch.add(self._part_message(p, b"", False), payload)
                 if full is not None:
-                    messages.append(full)
+                    messages.append((full, None))
             if (rest := batch.take()) is not None:
-                messages.append(rest)
-            if average_area is not None and messages:  # the shard reads it from the first message
-                messages[0].into.CopyFrom(average_area.region())
+                messages.append((rest, None))
+            if messages:  # the shard reads these from the first message
+                if average_area is not None:
+                    messages[0][0].into.CopyFrom(average_area.region())
+                if sender is not None:
+                    messages[0][0].stream.CopyFrom(_stream_call_message(sender))
+
+            def deposit() -> Iterator[shard_pb2.GroupAverageRequest]:
+                for message, streamed in messages:
+                    yield message
+                    if streamed is not None:
+                        try:
+                            sender.send(streamed)  # its message is on its way: the shard reads after it
+                        except StreamError:
+                            sender.close()  # the shard, short of these bytes, fails the call (DATA_LOSS)
+                            return
+
             frontier, received = 0, 0
-            for response in self._stubs[shard].GroupAverage(iter(messages), timeout=self.timeout_s):
+            for response in self._stubs[shard].GroupAverage(deposit(), timeout=self.timeout_s):
                 for part in wire.parts_of(response):
-                    payload = _shared_payload(average_area, part.shared) if part.HasField("shared") else part.payload
-                    copy_part_into(out[part.name][part.offset : part.offset + part.count], part, payload)
+                    target = out[part.name][part.offset : part.offset + part.count]
+                    if part.streamed:
+                        receive_part_into(target, part, receiver)
+                        received += part.streamed
+                    else:
+                        shared = part.HasField("shared")
+                        payload = _shared_payload(average_area, part.shared) if shared else part.payload
+                        copy_part_into(target, part, payload)
+                        received += len(payload)
                     frontier = max(frontier, part.version)
-                    received += len(payload)
             return frontier, deposited, received
 
         results = self._each_shard(exchange)

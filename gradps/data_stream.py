@@ -214,7 +214,10 @@ class StreamListener:
     and names the function that attaches its connection once it presents the token."""
 
     def __init__(self, port: int = 0) -> None:
-        self._server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=64)
+        # Every address, as the gRPC port binds [::]; IPv4 alone where the host has no IPv6.
+        dual = socket.has_dualstack_ipv6()
+        family = socket.AF_INET6 if dual else socket.AF_INET
+        self._server = socket.create_server(("", port), family=family, dualstack_ipv6=dual, backlog=64)
         self.port = self._server.getsockname()[1]
         self._pending: dict[bytes, tuple[float, int, Callable[[DataStream], bool]]] = {}
         self._ids = itertools.count(1)

@@ -197,16 +197,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     run.bytes_pulled += meta.shared.length if meta.HasField("shared") else len(payload)
                 yield meta, payload
 
-        if stream is None:
-            yield from _responses(shard_pb2.PullResponse, _PULL_PART_FIELD, replies(), raw)
-            return
-        with stream.sending(request.stream.call, _time_left(context)) as sender:
-            if sender is None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
-            try:
-                yield from _responses(shard_pb2.PullResponse, _PULL_PART_FIELD, replies(), raw, sender)
-            except StreamError as e:
-                context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        yield from _send(shard_pb2.PullResponse, _PULL_PART_FIELD, replies(), raw, stream, request.stream, context)
 
     def Push(self, request_iterator, context):
         run = None
@@ -350,25 +341,33 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         run = None
         deposit: dict[PartKey, torch.Tensor] = {}
         header = None
-        into = None
-        for request in request_iterator:
-            if run is None:
-                run, rule = self._run(request.run_id, context)
-                header = (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global)
-                if request.HasField("into"):  # checked before any wait, like a pull's
-                    into = self._writer(run, request, context)
-            elif (request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global) != header:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
-            parts = wire.parts_of(request)
-            if not parts:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a GroupAverageRequest without a part")
-            for msg in parts:
-                part = self._part(run, msg, context)
-                payload = self._payload(run, request.worker_id, msg, msg.payload, context)
-                try:
-                    deposit[part.key] = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
-                except CodecError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
+        into, stream, call = None, None, None
+        # The deposit is read whole (from the stream too, holding its receive direction) before
+        # the round; the average is sent after it (holding the send direction).
+        with ExitStack() as claims:
+            receiver = None
+            for request in request_iterator:
+                if run is None:
+                    run, rule = self._run(request.run_id, context)
+                    header = _round_of(request)
+                    if request.HasField("into"):  # checked before any wait, like a pull's
+                        into = self._writer(run, request, context)
+                    if request.HasField("stream"):
+                        call = request.stream
+                        stream = self._stream(run, request.worker_id, call, context)
+                        receiver = claims.enter_context(self._receiver(run, request.worker_id, call, context))
+                elif _round_of(request) != header:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
+                parts = wire.parts_of(request)
+                if not parts:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a GroupAverageRequest without a part")
+                for msg in parts:
+                    part = self._part(run, msg, context)
+                    payload = self._payload(run, request.worker_id, msg, msg.payload, context, receiver)
+                    try:
+                        deposit[part.key] = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
+                    except CodecError as e:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index}: {e}")
         if run is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty deposit")
         _, worker_id, step, members, is_global = header
@@ -390,7 +389,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     replies.append((meta, b""))
                 else:
                     replies.append((meta, encode_part(avg.cpu(), _NONE, lz4_threshold=None)[0]))
-        yield from _responses(shard_pb2.GroupAverageResponse, _AVERAGE_PART_FIELD, replies, raw=False)
+        yield from _send(shard_pb2.GroupAverageResponse, _AVERAGE_PART_FIELD, replies, False, stream, call, context)
 
     @staticmethod
     def _part(run: RunState, msg: tensor_pb2.TensorPart, context: grpc.ServicerContext) -> Part:
@@ -579,6 +578,34 @@ def _aliases(payload: wire.Buffer, values: torch.Tensor) -> bool:
 def _lossless(msg: tensor_pb2.TensorPart) -> bool:
     """Whether a part's payload is its float32 values as they are (codec none, no lz4)."""
     return msg.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and not msg.lz4
+
+
+def _round_of(request: shard_pb2.GroupAverageRequest) -> tuple:
+    """The header every message of one deposit repeats: run, worker, step, members, global."""
+    return request.run_id, request.worker_id, request.step, tuple(request.members), request.is_global
+
+
+def _send(
+    response_type,
+    part_field: int,
+    replies,
+    raw: bool,
+    stream: DataStream | None,
+    call: shard_pb2.StreamCall | None,
+    context: grpc.ServicerContext,
+) -> Iterator:
+    """`_responses`, with the large payloads on the worker's data stream when the call named one
+    (holding its send direction; a failure closes it and ends the call with DATA_LOSS)."""
+    if stream is None:
+        yield from _responses(response_type, part_field, replies, raw)
+        return
+    with stream.sending(call.call, _time_left(context)) as sender:
+        if sender is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
+        try:
+            yield from _responses(response_type, part_field, replies, raw, sender)
+        except StreamError as e:
+            context.abort(grpc.StatusCode.DATA_LOSS, str(e))
 
 
 def _time_left(context: grpc.ServicerContext) -> float:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gradps.channel import open_channel
+from gradps.data_stream import CallReceiver, CallSender
 from gradps.placement import shard_bytes
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from tests.joined_run import NONE, join_run, leave
@@ -273,8 +274,21 @@ def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, transport):
 
 
 @pytest.mark.parametrize("transport", ["shm", "stream", "grpc"])
-def test_a_group_average_moves_large_and_batched_small_parts(shards_only, transport):
+def test_a_group_average_moves_large_and_batched_small_parts(shards_only, transport, monkeypatch):
     # One large part per shard at most (1 MiB parts) and many small ones (batched, > 4 MiB per shard).
+    streamed = {"sent": 0, "received": 0}  # a spy on the data streams: the real methods run
+    send, receive_into = CallSender.send, CallReceiver.receive_into
+
+    def counting_send(self, payload):
+        streamed["sent"] += len(payload)
+        return send(self, payload)
+
+    def counting_receive_into(self, view):
+        streamed["received"] += len(view)
+        return receive_into(self, view)
+
+    monkeypatch.setattr(CallSender, "send", counting_send)
+    monkeypatch.setattr(CallReceiver, "receive_into", counting_receive_into)
     torch.manual_seed(3)
     tensors = {"big": torch.randn(3 << 18)} | {f"s{i}": torch.randn(50_000) for i in range(90)}
     spec = run_pb2.RunSpec(scheme="wagma", workers=1, steps=100, part_size=1 << 20)
@@ -288,6 +302,9 @@ def test_a_group_average_moves_large_and_batched_small_parts(shards_only, transp
         assert frontier == 3
         for name, t in tensors.items():
             assert torch.equal(average[name], t), name  # the average of one deposit is the deposit
+        # On streams, the large part's deposit and average (3 MiB) go on them, the rest inline.
+        big = 4 * tensors["big"].numel()
+        assert streamed == ({"sent": big, "received": big} if transport == "stream" else {"sent": 0, "received": 0})
         with open_channel(placement.shards[0]) as channel:
             stub = shard_pb2_grpc.ShardServiceStub(channel)
             empty = shard_pb2.GroupAverageRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=4)
@@ -295,5 +312,18 @@ def test_a_group_average_moves_large_and_batched_small_parts(shards_only, transp
                 list(stub.GroupAverage(iter([empty])))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "without a part" in err.value.details()
+            # A part whose bytes would follow on a data stream the call does not name.
+            (p,) = [p for p in placement.parts if p.shard == 0 and 4 * p.count > (256 << 10)][:1]
+            streamed = shard_pb2.GroupAverageRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=4)
+            streamed.part.CopyFrom(
+                tensor_pb2.TensorPart(
+                    name=p.name, index=p.index, offset=p.offset, count=p.count, dtype=tensor_pb2.DTYPE_FLOAT32
+                )
+            )
+            streamed.part.streamed = 4 * p.count
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.GroupAverage(iter([streamed])))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is streamed, but the call has no stream" in err.value.details()
     finally:
         leave(sessions, clients)

@@ -163,7 +163,7 @@ class PushResponse(_message.Message):
     def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class GroupAverageRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into")
+    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into", "stream")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class GroupAverageRequest(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     INTO_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -180,7 +181,8 @@ class GroupAverageRequest(_message.Message):
     part: _tensor_pb2.TensorPart
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
     into: _tensor_pb2.SharedRegion
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ...) -> None: ...
+    stream: StreamCall
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
 
 class GroupAverageResponse(_message.Message):
     __slots__ = ("part", "parts")
