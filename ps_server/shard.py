@@ -160,9 +160,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         # Each part's bytes are a snapshot taken under the lock. The live weights are copied part
         # by part as they are sent, each at the version its response reports: the first part
         # leaves before the last is copied, and no pull holds a copy of every part (under sync,
-        # where no update can land before the puller's next push, they are sent as they are). Anything else
-        # a rule serves (a reduced gradient, ...) is copied at once, under the lock that found
-        # it ready. Parts written into the worker's shared region, and small ones, leave together
+        # where no update can land before the puller's next push, they are sent as they are).
+        # Anything else a rule serves (a reduced gradient, ...) is copied at once, under the lock
+        # that found it ready. Parts written into the worker's shared region, and small ones, leave together
         # (up to wire.BATCH_BYTES a message); a large payload leaves alone, framed by hand, or on
         # the worker's data stream after its message.
         snapshot: list[tuple[Part, tuple[tensor_pb2.TensorPart, wire.Buffer] | None]] = []
@@ -226,7 +226,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if request.HasField("stream"):
                     if stream_call is None:
                         stream_call = request.stream
-                        receiver = claims.enter_context(self._receiver(run, request.worker_id, stream_call, context))
+                        stream = self._stream(run, request.worker_id, stream_call, context)
+                        receiver = claims.enter_context(self._receiver(stream, stream_call, context))
                     elif request.stream != stream_call:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all messages of a push name the same stream")
                 for msg, payload in parts:
@@ -355,7 +356,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     if request.HasField("stream"):
                         call = request.stream
                         stream = self._stream(run, request.worker_id, call, context)
-                        receiver = claims.enter_context(self._receiver(run, request.worker_id, call, context))
+                        receiver = claims.enter_context(self._receiver(stream, call, context))
                 elif _round_of(request) != header:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
                 parts = wire.parts_of(request)
@@ -429,12 +430,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         return stream
 
+    @staticmethod
     @contextmanager
     def _receiver(
-        self, run: RunState, worker_id: int, call: shard_pb2.StreamCall, context: grpc.ServicerContext
+        stream: DataStream, call: shard_pb2.StreamCall, context: grpc.ServicerContext
     ) -> Iterator[CallReceiver]:
-        """The receive direction of the worker's stream for one push."""
-        stream = self._stream(run, worker_id, call, context)
+        """The receive direction of the worker's stream for one call (a push, a deposit)."""
         with stream.receiving(call.call, _time_left(context)) as receiver:
             if receiver is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
