@@ -12,7 +12,8 @@ The shard listens on a data port (StreamListener). A worker asks it for a stream
 shard's one-byte answer; the stream then belongs to that worker in that run. Each direction (push:
 worker to shard; pull: shard to worker) is used by one call at a time, and every call's bytes start
 with its call number (StreamCall.call). A call that fails for any reason closes the stream: its
-bytes can no longer be framed, and the worker sends payloads inline from then on.
+bytes can no longer be framed. The worker then sends payloads inline until it has opened a new one
+(gpu_worker/ps_client.py).
 """
 
 from __future__ import annotations

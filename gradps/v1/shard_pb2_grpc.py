@@ -154,7 +154,7 @@ class ShardServiceServicer:
         byte, 1, once the shard has attached the connection; a connection that does not present a
         live token within 10 s is closed. Calls, deadlines and status codes stay gRPC. Any failure of
         a call using the stream closes it (its bytes can no longer be framed); the worker then sends
-        payloads inline. FAILED_PRECONDITION when the shard has no data port.
+        payloads inline until it opens another. FAILED_PRECONDITION when the shard has no data port.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
