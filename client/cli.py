@@ -14,6 +14,7 @@ from rich.table import Table
 from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
 from client.sdk import Client, GradpsError
+from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
 from gradps.device import device_option
 from gradps.v1 import coordinator_pb2 as cpb
@@ -159,7 +160,18 @@ def cli() -> None:
     """gradps: a sharded parameter server for data-parallel training."""
 
 
+def _transport_option(fn):
+    return click.option(
+        "--transport",
+        type=click.Choice(TRANSPORTS),
+        default="shm",
+        help="--local: where the workers' payloads travel: shm (shared memory), stream (data streams, as "
+        "between hosts), grpc (in the messages).",
+    )(fn)
+
+
 def _cluster_options(fn):
+    fn = _transport_option(fn)
     fn = device_option("--local: where shards and workers compute (auto: CUDA when present).")(fn)
     fn = click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1), help="--local: seconds.")(fn)
     fn = click.option("--shards", default=2, type=click.IntRange(min=1), help="--local: shard processes.")(fn)
@@ -178,14 +190,16 @@ def _cluster_options(fn):
 )
 @click.option("--no-progress", is_flag=True, help="No live progress bar.")
 @one_line_errors
-def train(coordinator, local, shards, heartbeat_timeout, device, scheme, workers, out, no_progress, **options) -> None:
+def train(
+    coordinator, local, shards, heartbeat_timeout, device, transport, scheme, workers, out, no_progress, **options
+) -> None:
     """Train one run and print its summary; writes summary.json and metrics.jsonl."""
     if local == bool(coordinator):
         raise click.UsageError("give exactly one of --local or --coordinator HOST:PORT")
     spec = build_spec(scheme, workers, **options)
     if local:
         log_dir = Path("runs") / "local-logs" if out is None else out / "logs"
-        with LocalCluster(shards, workers, heartbeat_timeout, log_dir=log_dir, device=device) as cluster:
+        with LocalCluster(shards, workers, heartbeat_timeout, log_dir, device, transport) as cluster:
             summary = _train_on(cluster.address, spec, out, no_progress)
     else:
         summary = _train_on(coordinator, spec, out, no_progress)
@@ -208,11 +222,12 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
 @click.option("--workers", default=2, type=click.IntRange(min=0), help="0: your own scripts are the workers.")
 @click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1))
 @device_option("Where shards and workers compute (auto: CUDA when present).")
+@_transport_option
 @one_line_errors
-def up(shards: int, workers: int, heartbeat_timeout: float, device: str) -> None:
+def up(shards: int, workers: int, heartbeat_timeout: float, device: str, transport: str) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
     log_dir = Path("runs") / "local-logs"
-    with LocalCluster(shards, workers, heartbeat_timeout, log_dir=log_dir, device=device) as cluster:
+    with LocalCluster(shards, workers, heartbeat_timeout, log_dir, device, transport) as cluster:
         click.echo(f"coordinator at {cluster.address}; {shards} shards, {workers} workers on {device}. Ctrl-C stops.")
         click.echo(f"  gradps train --coordinator {cluster.address}")
         try:
@@ -307,7 +322,18 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
 @click.option("--no-progress", is_flag=True, help="No live progress bars.")
 @one_line_errors
 def compare(
-    coordinator, local, shards, heartbeat_timeout, device, schemes, workers, target_accuracy, out, no_progress, **o
+    coordinator,
+    local,
+    shards,
+    heartbeat_timeout,
+    device,
+    transport,
+    schemes,
+    workers,
+    target_accuracy,
+    out,
+    no_progress,
+    **o,
 ):
     """Run several schemes on the same cluster, data, seed and model; table, JSON, CSV and a plot."""
     from client.compare import print_table, run_comparison, write_outputs
@@ -326,7 +352,7 @@ def compare(
     if coordinator:
         rows = run_comparison(coordinator, specs, target_accuracy, out, show_progress=not no_progress)
     else:  # the default: an embedded cluster, the same one for every scheme
-        with LocalCluster(shards, workers, heartbeat_timeout, log_dir=out / "logs", device=device) as cluster:
+        with LocalCluster(shards, workers, heartbeat_timeout, out / "logs", device, transport) as cluster:
             rows = run_comparison(cluster.address, specs, target_accuracy, out, show_progress=not no_progress)
     write_outputs(rows, target_accuracy, out, title)
     print_table(rows, target_accuracy)

@@ -23,6 +23,7 @@ class LocalCluster:
         heartbeat_timeout_s: float = 5.0,
         log_dir: str | os.PathLike | None = None,
         device: str = "cpu",
+        transport: str = "shm",
     ) -> None:
         if shards < 1 or workers < 0:
             raise GradpsError("a local cluster needs at least 1 shard")
@@ -30,6 +31,8 @@ class LocalCluster:
         self.n_workers = workers
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.device = device
+        # Where the workers' payloads travel (gradps-worker --transport).
+        self.transport = transport
         self._tmp = tempfile.TemporaryDirectory(prefix="gradps-")
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +103,7 @@ class LocalCluster:
             f"--coordinator={self.address}",
             f"--name=local-worker-{i}",
             f"--device={self.device}",
+            f"--transport={self.transport}",
         )
         self.workers.append(p)
         return p

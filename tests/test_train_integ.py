@@ -159,6 +159,7 @@ def test_cli_errors_are_one_line():
         (["train", "--local", "--codec", "zip"], "unknown codec"),
         (["train", "--local", "--straggler", "x"], "RANK:FACTOR"),
         (["train", "--local", "--device", "tpu"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
+        (["train", "--local", "--transport", "udp"], "'udp' is not one of 'shm', 'stream', 'grpc'"),
     ]
     if not torch.cuda.is_available():
         cases.append((["up", "--device", "cuda"], "--device cuda but no CUDA device is visible"))
@@ -183,16 +184,21 @@ def test_cli_train_local_reaches_95_percent(scheme, tmp_path):
             "--local",
             "--scheme",
             scheme,
-            # asgd runs with the live progress display (the README's command), sync without.
-            *(["--no-progress"] if scheme == "sync" else []),
+            # asgd runs with the live progress display (the README's command); sync without, its
+            # payloads on data streams (as between hosts).
+            *(["--no-progress", "--transport", "stream"] if scheme == "sync" else []),
             "--out",
             str(tmp_path),
         ],
         capture_output=True,
         text=True,
         timeout=300,
+        env=dict(os.environ, GRADPS_LOG_LEVEL="INFO"),
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    worker_log = (tmp_path / "logs" / "worker-0.log").read_text()
+    expected = "to [] on data streams" if scheme == "asgd" else "to [0, 1] on data streams"
+    assert expected in worker_log, worker_log[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in (
         "run_id",
