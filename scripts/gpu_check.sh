@@ -67,7 +67,7 @@ step step 150 gradps bench step --model resnet18 --dataset synthetic-images --sc
   --device "$DEVICE" --json "$OUT/step.json"
 step step_wagma 120 gradps bench step --model resnet18 --dataset synthetic-images --scheme wagma --workers 2 \
   --device "$DEVICE"
-step transport 200 gradps bench transport --sizes 64 --shards 1,2 --workers 1,2 --rounds 5 --device "$DEVICE" \
+step transport 200 gradps bench transport --sizes 64 --shards 1,2 --workers 1,2 --rounds 5 --device "$DEVICE" --transport shm,stream \
   --json "$OUT/transport.json"
 step transport_host 150 gradps bench transport --sizes 64 --shards 2 --workers 2 --codec none,int8 --rounds 5 \
   --device cpu --json "$OUT/transport_host.json"
