@@ -35,6 +35,19 @@ def join_run(
     return run_id, sessions, clients, placement
 
 
+def asgd_steps(
+    client: ParameterClient, tensors: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Register `tensors`, then pull and push each of `grads` in turn; the weights pulled last."""
+    client.register(tensors)
+    pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    for step, grad in enumerate(grads):
+        client.pull(pulled)
+        client.push(grad, step)
+    client.pull(pulled)
+    return pulled
+
+
 def leave(sessions: list[WorkerSession], clients: list[ParameterClient]) -> None:
     for c in clients:
         c.close()

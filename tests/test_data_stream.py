@@ -27,7 +27,7 @@ from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError
 from gradps.placement import place
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.shard import ShardServicer, add_shard_servicer
-from tests.joined_run import NONE, join_run, leave
+from tests.joined_run import NONE, asgd_steps, join_run, leave
 
 HOST = "127.0.0.1"
 LR = 0.5
@@ -168,12 +168,7 @@ def _train(address: str, codec: str, transport: str, monkeypatch, steps: int = 3
             client = clients[0]
             assert len(placement.parts) == 4
             facts = {"streamed": client.streamed_shards, "shared": client.shared_shards}
-            client.register(tensors)
-            pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
-            for step, grad in enumerate(grads):
-                client.pull(pulled)
-                client.push(grad, step)
-            client.pull(pulled)
+            pulled = asgd_steps(client, tensors, grads)
             facts["streamed_after"] = client.streamed_shards
             facts["traffic"] = (client.traffic.bytes_pushed, client.traffic.bytes_pulled)
             stats = _stats(placement, run_id)

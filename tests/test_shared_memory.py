@@ -17,7 +17,7 @@ from gradps.channel import open_channel
 from gradps.codecs import parse_codec
 from gradps.shared_memory import ALIGN, Segment, SegmentError
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
-from tests.joined_run import NONE, join_run, leave
+from tests.joined_run import NONE, asgd_steps, join_run, leave
 
 
 def _own_segments() -> list[str]:
@@ -77,12 +77,7 @@ def _train(address: str, codec: str, transport: str, steps: int = 3) -> tuple[di
     try:
         assert not _own_segments(), "segments are unlinked as soon as the shard mapped them"
         client = clients[0]
-        client.register(tensors)
-        pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
-        for step, grad in enumerate(grads):
-            client.pull(pulled)
-            client.push(grad, step)
-        client.pull(pulled)
+        pulled = asgd_steps(client, tensors, grads)
         assert client.traffic.bytes_pulled == (steps + 1) * sum(4 * t.numel() for t in tensors.values())
         return pulled, client.shared_shards
     finally:
