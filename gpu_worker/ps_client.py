@@ -16,7 +16,7 @@ import torch
 
 from gradps import wire
 from gradps.channel import open_channel
-from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part
+from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part, is_plain, plain_payload
 from gradps.codecs.base import require_finite
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError
 from gradps.placement import ITEMSIZE, PartKey
@@ -329,9 +329,8 @@ class ParameterClient:
                     with self._stream_call(shard, "receive", area) as receiver:
                         return fetch_into(shard, area, receiver)
                 except (grpc.RpcError, StreamError) as e:
-                    if not _stream_broke(e):
+                    if not _stream_broke(shard, e):
                         raise
-                    _LOGGER.warning("shard %d: %s; payloads inline for now", shard, _reason(e))
                 return fetch_into(shard, area, None)
 
         def fetch_into(shard: int, area: _Area | None, receiver: CallReceiver | None) -> tuple[int, float]:
@@ -426,9 +425,8 @@ class ParameterClient:
                             try:
                                 sender.send(payload)  # its message is on its way: the shard reads after it
                             except StreamError:
-                                # The shard, short of this part's bytes, fails the call (DATA_LOSS)
-                                # once the stream closes; the push is then sent again, inline.
-                                sender.close()
+                                # The send closed the stream: the shard, short of this part's bytes,
+                                # fails the call (DATA_LOSS), and the push is sent again, inline.
                                 return
                             continue
                         if size <= wire.SMALL_PAYLOAD:
@@ -454,8 +452,7 @@ class ParameterClient:
                             response = self._push_calls[shard](messages(writer, sender), timeout=self.timeout_s)
                         return response.staleness, sizes[0], sizes[1]
                     except (grpc.RpcError, StreamError) as e:
-                        if _stream_broke(e) and attempt < 2:  # the stream is closed now: inline
-                            _LOGGER.warning("shard %d: %s; payloads inline for now", shard, _reason(e))
+                        if attempt < 2 and _stream_broke(shard, e):  # the stream is closed now: inline
                             continue
                         if not isinstance(e, grpc.RpcError) or e.code() not in _RETRYABLE or attempt == 2:
                             raise
@@ -487,7 +484,7 @@ class ParameterClient:
         """One part's payload and lz4 flag. Lossless `none` gives the values themselves (on their
         device), after the same NaN/Inf check the codec makes: they are copied once, into the
         segment or the message."""
-        if self.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and values.is_contiguous():
+        if is_plain(self.codec) and values.is_contiguous():
             require_finite(values, "none: values to encode")
             return values, False
         return encode_part(values.cpu(), self.codec, feedback=self.feedback, key=key)
@@ -515,9 +512,8 @@ class ParameterClient:
                             both = (sender, receiver) if sender and receiver else (None, None)
                             return exchange_through(shard, deposit_area, average_area, *both)
                 except (grpc.RpcError, StreamError) as e:
-                    if not _stream_broke(e):
+                    if not _stream_broke(shard, e):
                         raise
-                    _LOGGER.warning("shard %d: %s; payloads inline for now", shard, _reason(e))
                 # A deposit sent again replaces the first; a fixed round answers again the same.
                 return exchange_through(shard, deposit_area, average_area, None, None)
 
@@ -575,8 +571,7 @@ class ParameterClient:
                         try:
                             sender.send(streamed)  # its message is on its way: the shard reads after it
                         except StreamError:
-                            sender.close()  # the shard, short of these bytes, fails the call (DATA_LOSS)
-                            return
+                            return  # the send closed the stream: the shard, short of these bytes, fails the call
 
             frontier, received = 0, 0
             for response in self._stubs[shard].GroupAverage(deposit(), timeout=self.timeout_s):
@@ -625,9 +620,13 @@ class ParameterClient:
         return out
 
 
-def _stream_broke(e: Exception) -> bool:
-    """Whether a call failed because its data stream broke (the shard says DATA_LOSS)."""
-    return isinstance(e, StreamError) or (isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.DATA_LOSS)
+def _stream_broke(shard: int, e: Exception) -> bool:
+    """Whether a call to `shard` failed because its data stream broke (the shard says DATA_LOSS);
+    if so, the call is to be made again inline, and this says so in the log."""
+    broke = isinstance(e, StreamError) or (isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.DATA_LOSS)
+    if broke:
+        _LOGGER.warning("shard %d: %s; payloads inline for now", shard, _reason(e))
+    return broke
 
 
 def _stream_call_message(io: CallSender | CallReceiver) -> shard_pb2.StreamCall:
@@ -645,8 +644,8 @@ def receive_part_into(target: torch.Tensor, part: tensor_pb2.TensorPart, receive
         raise CodecError(f"part {part.name}/{part.index} arrived on a data stream this pull did not offer")
     if part.streamed > 8 * part.count + 1024:  # more than any codec's payload of the part
         raise CodecError(f"part {part.name}/{part.index}: {part.streamed} streamed bytes for {part.count} values")
-    lossless = part.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and not part.lz4
-    if lossless and part.streamed == 4 * part.count and target.device.type == "cpu" and target.is_contiguous():
+    in_place = target.device.type == "cpu" and target.is_contiguous()
+    if in_place and plain_payload(part) and part.streamed == 4 * part.count:
         receiver.receive_into(memoryview(target.numpy()).cast("B"))
         return
     buffer = np.empty(part.streamed, dtype=np.uint8)
@@ -665,7 +664,7 @@ def _shared_payload(area: _Area | None, region: tensor_pb2.SharedRegion) -> memo
 
 def copy_part_into(target: torch.Tensor, part: tensor_pb2.TensorPart, payload: memoryview) -> None:
     """Decode a pulled (or exported) part straight into its slice of the model: one copy for `none`."""
-    if part.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and not part.lz4:
+    if plain_payload(part):
         if len(payload) != 4 * part.count:
             raise CodecError(f"none: payload is {len(payload)} bytes, expected {4 * part.count}")
         if part.count:

@@ -169,13 +169,16 @@ class _CallIO:
         sock.settimeout(max(0.001, self._deadline - time.monotonic()))
         return sock
 
-    def close(self) -> None:
-        """Give up on the stream (the peer's read or write fails at once)."""
+    def _failed(self, why: str) -> StreamError:
+        """Close the stream (its bytes can no longer be framed; the peer's read or write fails at
+        once) and say why, for the caller to raise."""
         self.stream.close()
+        return StreamError(f"data stream {self.stream.id}: {why}")
 
 
 class CallSender(_CallIO):
-    """One call's bytes in the send direction: its number, then payloads in order."""
+    """One call's bytes in the send direction: its number, then payloads in order. A send that
+    fails closes the stream."""
 
     def send(self, payload: bytes | bytearray | memoryview) -> None:
         """Write one payload (the call number first, before the call's first payload)."""
@@ -186,11 +189,12 @@ class CallSender(_CallIO):
                 self.started = True
             sock.sendall(payload)
         except OSError as e:
-            raise StreamError(f"data stream {self.stream.id}: send failed ({e.strerror or e})") from None
+            raise self._failed(f"send failed ({e.strerror or e})") from None
 
 
 class CallReceiver(_CallIO):
-    """One call's bytes in the receive direction, checked against its number."""
+    """One call's bytes in the receive direction, checked against its number. A receive that
+    fails closes the stream."""
 
     def receive_into(self, view: memoryview) -> None:
         """Fill `view` (bytes) with the next payload (checking the call number first)."""
@@ -201,13 +205,16 @@ class CallReceiver(_CallIO):
                 recv_exact(sock, memoryview(number))
                 (got,) = _CALL.unpack(number)
                 if got != self.call:
-                    raise StreamError(f"data stream {self.stream.id}: bytes of call {got}, expected call {self.call}")
+                    raise self._failed(f"bytes of call {got}, expected call {self.call}")
                 self.started = True
             recv_exact(sock, view)
         except TimeoutError:
-            raise StreamError(f"data stream {self.stream.id}: the payload did not arrive in time") from None
+            raise self._failed("the payload did not arrive in time") from None
         except OSError as e:
-            raise StreamError(f"data stream {self.stream.id}: receive failed ({e.strerror or e})") from None
+            raise self._failed(f"receive failed ({e.strerror or e})") from None
+        except StreamError:  # the peer closed it, or the numbers differ (closed already)
+            self.stream.close()
+            raise
 
 
 class StreamListener:

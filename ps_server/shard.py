@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from gradps import wire
 from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
-from gradps.codecs import CodecError, decode_part, decode_summand, encode_part, get_codec
+from gradps.codecs import CodecError, decode_part, decode_summand, encode_part, get_codec, is_plain, plain_payload
 from gradps.codecs.base import require_finite
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
 from gradps.device import device_option
@@ -162,9 +162,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         # leaves before the last is copied, and no pull holds a copy of every part (under sync,
         # where no update can land before the puller's next push, they are sent as they are).
         # Anything else a rule serves (a reduced gradient, ...) is copied at once, under the lock
-        # that found it ready. Parts written into the worker's shared region, and small ones, leave together
-        # (up to wire.BATCH_BYTES a message); a large payload leaves alone, framed by hand, or on
-        # the worker's data stream after its message.
+        # that found it ready. Parts written into the worker's shared region, and small ones,
+        # leave together (up to wire.BATCH_BYTES a message); a large payload leaves alone, framed
+        # by hand, or on the worker's data stream after its message.
         snapshot: list[tuple[Part, tuple[tensor_pb2.TensorPart, wire.Buffer] | None]] = []
         with run.cond:
             try:
@@ -238,7 +238,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                         )
                     # Decoding rejects NaN/Inf (every codec checks what it decodes): no second pass.
                     try:
-                        if msg.streamed and _lossless(msg) and msg.streamed == 4 * part.count:
+                        if msg.streamed and plain_payload(msg) and msg.streamed == 4 * part.count:
                             # Read from the stream straight into the gradient: nothing to decode.
                             values = torch.empty(part.count)
                             self._streamed(msg, payload, receiver, context, into=values.numpy())
@@ -527,7 +527,7 @@ def _pull_part(
     shared region has room, its metadata pointing there and no payload. For `none` the values are
     copied once (into the region, or later into the message)."""
     meta = _part_meta(part, codec, part.version)
-    if codec.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE):
+    if is_plain(codec):
         require_finite(values, "none: values to encode")  # what the none codec checks
         if into is not None and (region := into.put(values)) is not None:
             meta.shared.CopyFrom(region)
@@ -574,11 +574,6 @@ def _responses(response_type, part_field: int, replies, raw: bool, sender: CallS
 def _aliases(payload: wire.Buffer, values: torch.Tensor) -> bool:
     """Whether `payload` is a view of `values`' memory (codec none on the CPU), not a copy."""
     return isinstance(payload, memoryview) and len(payload) > 0 and values.device.type == "cpu"
-
-
-def _lossless(msg: tensor_pb2.TensorPart) -> bool:
-    """Whether a part's payload is its float32 values as they are (codec none, no lz4)."""
-    return msg.codec.codec in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_UNSPECIFIED) and not msg.lz4
 
 
 def _round_of(request: shard_pb2.GroupAverageRequest) -> tuple:

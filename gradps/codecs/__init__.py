@@ -30,10 +30,22 @@ __all__ = [
     "encode_part",
     "format_codec",
     "get_codec",
+    "is_plain",
     "maybe_lz4",
     "parse_codec",
+    "plain_payload",
     "unwrap",
 ]
+
+
+def is_plain(params: tensor_pb2.CodecParams) -> bool:
+    """Whether `params` sends values as they are: codec none (or unset)."""
+    return params.codec in (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE)
+
+
+def plain_payload(part: tensor_pb2.TensorPart) -> bool:
+    """Whether a part's payload is its float32 values as they are: codec none and no lz4 frame."""
+    return is_plain(part.codec) and not part.lz4
 
 
 def encode_part(
