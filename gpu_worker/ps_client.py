@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -103,10 +103,15 @@ class ParameterClient:
         pull_codec: tensor_pb2.CodecParams,
         timeout_s: float = 120.0,
         transport: str = "shm",
+        local_shards: Collection[int] | None = None,
     ) -> None:
         """`transport`: one of TRANSPORTS. With "shm", payloads to and from shards on this host
         go through a shared segment per shard (gradps/shared_memory.py); with "shm" or "stream",
-        those to other shards through a data stream per shard (gradps/data_stream.py)."""
+        those to other shards through a data stream per shard (gradps/data_stream.py).
+
+        `local_shards`: where "shm" may try shared memory (None: every shard; those on another
+        host refuse the segment). `gradps bench transport` names them to place each shard on an
+        emulated host of its own."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
         self.placement = placement
@@ -148,7 +153,7 @@ class ParameterClient:
         self._closed = False
         self._pinned = False
         for shard in self._owners:
-            if transport == "shm":
+            if transport == "shm" and (local_shards is None or shard in local_shards):
                 self._areas[shard] = self._map_segment(shard)
             if transport != "grpc" and self._areas[shard] is None:
                 self._streams[shard] = self._open_stream(shard)

@@ -68,6 +68,27 @@ def test_transport_bench_writes_complete_rows(tmp_path):
             assert _positive(row[field]), (field, row)
 
 
+def test_transport_bench_places_each_shard_beside_a_worker(tmp_path):
+    # Each bench worker checks that it shares memory with its own shard and streams to the other
+    # (it fails the bench otherwise).
+    rows = _bench(
+        tmp_path,
+        "transport",
+        "--sizes=1",
+        "--shards=2",
+        "--workers=2",
+        "--transport=colocated",
+        "--rounds=1",
+        "--part-size=0.5",  # one part per shard, large enough to go on a data stream
+        "--round-mib=1",
+    )
+    assert sorted((r["op"], r["transport"], r["shards"]) for r in rows) == [
+        ("push_pull", "colocated", 2),
+        ("sync_step", "colocated", 2),
+    ]
+    assert all(_positive(r["seconds"]) and _positive(r["ratio_vs_gloo"]) for r in rows), rows
+
+
 def _bench(tmp_path, *args: str) -> list | dict:
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(cli, ["bench", *args, f"--json={out}"])
@@ -122,7 +143,8 @@ def test_bad_bench_options_are_one_line_usage_errors():
         (["memory", "--workers", "0"], "every value must be >= 1"),
         (["memory", "--op", "push_pull,nope"], "unknown value 'nope': expected push_pull or sync_step"),
         (["memory", "--optimizer", "lamb"], "unknown value 'lamb': expected sgd or adam"),
-        (["transport", "--transport", "udp"], "unknown value 'udp': expected shm or stream or grpc"),
+        (["transport", "--transport", "udp"], "unknown value 'udp': expected shm or stream or grpc or colocated"),
+        (["memory", "--transport", "colocated"], "unknown value 'colocated': expected shm or stream or grpc"),
         (["transport", "--sizes", "1,x"], "expected a comma-separated list"),
         (["transport", "--codec", "zip"], "unknown codec"),
         (["step", "--device", "tpu"], "'tpu' is not one of"),

@@ -152,7 +152,7 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
     callback=parse_choices(("push_pull", "sync_step")),
     help="push_pull (asgd) and/or sync_step (sync).",
 )
-@transport_option
+@transport_option()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
 def memory(size_mib, worker_counts, opt_names, op_names, transports, json_path) -> None:
     """Shard peak memory vs params + optimizer state + one in-flight push per worker."""

@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.options import parse_codecs, parse_counts, parse_list, transport_option
+from client.bench.options import COLOCATED, parse_codecs, parse_counts, parse_list, transport_option
 from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
@@ -39,7 +39,9 @@ class Row:
     shards: int
     workers: int
     codec: str
-    # Where payloads travel: "shm" (shared memory; the calls still go through gRPC) or "grpc".
+    # Where payloads travel: "shm" (shared memory; the calls still go through gRPC), "stream"
+    # (data streams), "grpc", or "colocated" (each worker shares memory with one shard and streams
+    # to the others; see client/bench/options.py).
     transport: str
     # Where the workers' tensors and the shards' parts live ("cuda": payloads cross the PCIe bus
     # too; the TCP and gloo references stay on the host).
@@ -205,7 +207,7 @@ def print_rows(rows: list[Row], console: Console) -> None:
 @click.option("--shards", "shards_list", default="1,2", callback=parse_counts, help="Shard counts.")
 @click.option("--workers", "workers_list", default="1,2", callback=parse_counts, help="Worker counts.")
 @click.option("--codec", "codecs", default="none", callback=parse_codecs, help="Push codecs, e.g. none,int8.")
-@transport_option
+@transport_option((*TRANSPORTS, COLOCATED))
 @click.option("--rounds", default=5, type=click.IntRange(min=1), help="Timed rounds per configuration.")
 @click.option("--part-size", default=4.0, type=click.FloatRange(min=0.001, max=64), help="Part size, MiB.")
 @click.option(

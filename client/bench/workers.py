@@ -32,7 +32,8 @@ class Job:
     # Iterations per round (small sizes repeat to make a round long enough to time).
     iters: int
     # Where payloads travel (gpu_worker.ps_client.TRANSPORTS): shared memory, data streams, or
-    # the gRPC messages; the bench checks that every shard got what was asked.
+    # the gRPC messages; or "colocated": shared memory with shard rank % shards, data streams with
+    # the others. The bench checks that every shard got what was asked.
     transport: str = "shm"
     # Where the worker's parameters and gradients live.
     device: str = "cpu"
@@ -42,6 +43,7 @@ def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queu
     """Join the job's run, time its rounds, report, and leave the run."""
     import torch
 
+    from client.bench.options import COLOCATED
     from gpu_worker.ps_client import ParameterClient, tensor_specs
     from gradps.codecs import parse_codec
     from gradps.v1 import coordinator_pb2 as cpb
@@ -57,13 +59,25 @@ def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queu
     total = job.warmup + job.rounds * job.iters + 1
     placement = session.placement(job.run_id, tensor_specs(params), total)
     none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
-    client = ParameterClient(
-        placement, job.run_id, session.worker_id, parse_codec(job.codec), none, transport=job.transport
-    )
     owners = sorted({p.shard for p in placement.parts})
-    got = {"shm": client.shared_shards, "stream": client.streamed_shards, "grpc": owners}[job.transport]
-    if got != owners:
-        raise RuntimeError(f"{job.transport} with shards {got} only, of {owners}")
+    if job.transport == COLOCATED:
+        local = [assignment.rank % len(placement.shards)]
+        wanted = {"shm": [s for s in owners if s in local], "stream": [s for s in owners if s not in local]}
+    else:
+        local = None
+        wanted = {job.transport: owners}
+    client = ParameterClient(
+        placement,
+        job.run_id,
+        session.worker_id,
+        parse_codec(job.codec),
+        none,
+        transport="shm" if job.transport == COLOCATED else job.transport,
+        local_shards=local,
+    )
+    got = {"shm": client.shared_shards, "stream": client.streamed_shards, "grpc": owners}
+    if any(got[t] != shards for t, shards in wanted.items()):
+        raise RuntimeError(f"{job.transport}: shards {got}, expected {wanted}")
     step = 0
 
     def once() -> None:
