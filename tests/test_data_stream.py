@@ -56,18 +56,30 @@ def _rejected(call, code: grpc.StatusCode, words: str) -> None:
     assert words in details and "\n" not in details, details
 
 
+@contextmanager
+def _shard(address: str) -> Iterator[shard_pb2_grpc.ShardServiceStub]:
+    """A ShardService stub on a channel of its own to the shard at `address`."""
+    with open_channel(address) as channel:
+        yield shard_pb2_grpc.ShardServiceStub(channel)
+
+
 def _stats(placement: shard_pb2.Placement, run_id: str) -> list[shard_pb2.GetStatsResponse]:
     out = []
     for address in placement.shards:
-        with open_channel(address) as channel:
-            out.append(shard_pb2_grpc.ShardServiceStub(channel).GetStats(shard_pb2.GetStatsRequest(run_id=run_id)))
+        with _shard(address) as stub:
+            out.append(stub.GetStats(shard_pb2.GetStatsRequest(run_id=run_id)))
     return out
+
+
+def _open_stream(stub: shard_pb2_grpc.ShardServiceStub, run_id: str, worker: int) -> shard_pb2.OpenStreamResponse:
+    """OpenStream alone: a token, not yet presented."""
+    return stub.OpenStream(shard_pb2.OpenStreamRequest(run_id=run_id, worker_id=worker), timeout=10)
 
 
 def _attach(stub: shard_pb2_grpc.ShardServiceStub, run_id: str, worker: int) -> tuple[int, socket.socket]:
     """A data stream opened by hand with a raw socket: OpenStream, connect, present the token,
     read the shard's one-byte answer. (stream id, socket)."""
-    response = stub.OpenStream(shard_pb2.OpenStreamRequest(run_id=run_id, worker_id=worker), timeout=10)
+    response = _open_stream(stub, run_id, worker)
     assert len(response.token) == data_stream.TOKEN_BYTES and response.stream > 0 and response.port > 0
     sock = socket.create_connection((HOST, response.port), timeout=10)
     sock.sendall(response.token)
@@ -99,6 +111,10 @@ def _part(p: shard_pb2.PartPlacement, codec: tensor_pb2.CodecParams = NONE, **fi
     return part
 
 
+def _call(stream_id: int, number: int) -> shard_pb2.StreamCall:
+    return shard_pb2.StreamCall(stream=stream_id, call=number)
+
+
 def _push_request(
     run_id: str, worker: int, step: int, part: tensor_pb2.TensorPart, stream: shard_pb2.StreamCall | None = None
 ) -> shard_pb2.PushRequest:
@@ -107,6 +123,23 @@ def _push_request(
     if stream is not None:
         request.stream.CopyFrom(stream)
     return request
+
+
+def _frame(number: int, payload: bytes) -> bytes:
+    """A call's bytes on a data stream: its number (u64, little-endian), then the payload."""
+    return struct.pack("<Q", number) + payload
+
+
+def _read_exactly(sock: socket.socket, size: int, timeout_s: float) -> bytearray:
+    """`size` bytes off the stream; fails if the shard closes it first."""
+    sock.settimeout(timeout_s)
+    got = bytearray(size)
+    view, read = memoryview(got), 0
+    while read < size:
+        received = sock.recv_into(view[read:])
+        assert received, "the shard closed the stream"
+        read += received
+    return got
 
 
 @contextmanager
@@ -135,6 +168,49 @@ def _floats(t: torch.Tensor) -> bytes:
     return t.contiguous().numpy().tobytes()
 
 
+def _pulled(client: ParameterClient, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A pull into fresh zeros shaped like `tensors`: whatever it shows came from the shards."""
+    pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    client.pull(pulled)
+    return pulled
+
+
+def _assert_near(pulled: torch.Tensor, expected: torch.Tensor) -> None:
+    """The shard's sgd steps against the same steps here, within float32 rounding."""
+    torch.testing.assert_close(pulled, expected, rtol=0, atol=1e-5)
+
+
+class _Run(ExitStack):
+    """A run the test joined as its workers; when its block ends, what the test opened for it closes
+    and the workers leave. Its clients move payloads inline unless told: the test opens streams."""
+
+    def __init__(
+        self,
+        address: str,
+        spec: run_pb2.RunSpec,
+        tensors: dict[str, torch.Tensor],
+        n_workers: int = 1,
+        codec: tensor_pb2.CodecParams = NONE,
+        transport: str = "grpc",
+    ) -> None:
+        super().__init__()
+        self.id, sessions, self.clients, self.placement = join_run(address, spec, tensors, n_workers, codec, transport)
+        self.workers = [s.worker_id for s in sessions]
+        self.callback(leave, sessions, self.clients)
+
+    def stub(self, shard: int) -> shard_pb2_grpc.ShardServiceStub:
+        return self.enter_context(_shard(self.placement.shards[shard]))
+
+    def attach(self, stub: shard_pb2_grpc.ShardServiceStub, worker: int) -> tuple[int, socket.socket]:
+        """`_attach`, its socket closed with the run."""
+        stream_id, sock = _attach(stub, self.id, worker)
+        self.callback(sock.close)
+        return stream_id, sock
+
+    def stats(self) -> list[shard_pb2.GetStatsResponse]:
+        return _stats(self.placement, self.id)
+
+
 # --- 1. the same training through a stream and inline ------------------------------------------
 
 
@@ -161,22 +237,17 @@ def _train(address: str, codec: str, transport: str, monkeypatch, steps: int = 3
         patch.setattr(CallSender, "send", counting_send)
         patch.setattr(CallReceiver, "receive_into", counting_receive_into)
         spec = _spec(part_size=1280 << 10, lr=0.1)
-        run_id, sessions, clients, placement = join_run(
-            address, spec, tensors, codec=parse_codec(codec), transport=transport
-        )
-        try:
-            client = clients[0]
-            assert len(placement.parts) == 4
+        with _Run(address, spec, tensors, codec=parse_codec(codec), transport=transport) as run:
+            client = run.clients[0]
+            assert len(run.placement.parts) == 4
             facts = {"streamed": client.streamed_shards, "shared": client.shared_shards}
             pulled = asgd_steps(client, tensors, grads)
             facts["streamed_after"] = client.streamed_shards
             facts["traffic"] = (client.traffic.bytes_pushed, client.traffic.bytes_pulled)
-            stats = _stats(placement, run_id)
-            big = sum(4 * p.count for p in placement.parts if 4 * p.count > wire.SMALL_PAYLOAD)
+            stats = run.stats()
+            big = sum(4 * p.count for p in run.placement.parts if 4 * p.count > wire.SMALL_PAYLOAD)
             facts["big_float_bytes"] = big
             return pulled, facts, stats, streamed
-        finally:
-            leave(sessions, clients)
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
@@ -210,44 +281,31 @@ def test_streamed_payloads_give_the_same_weights_as_inline_ones(shards_only, cod
 
 def test_open_stream_rejects_unknown_runs_non_members_and_a_fifth_stream(shards_only):
     tensors = {"w": torch.randn(1000)}
-    run_id, sessions, clients, placement = join_run(
-        shards_only.address, _spec(workers=2), tensors, n_workers=2, transport="grpc"
-    )
-    mine, theirs = sessions[0].worker_id, sessions[1].worker_id
-    with ExitStack() as cleanup, open_channel(placement.shards[0]) as channel:
-        cleanup.callback(leave, sessions, clients)
-        stub = shard_pb2_grpc.ShardServiceStub(channel)
-
-        def open_stream(run: str = run_id, worker: int = mine):
-            return stub.OpenStream(shard_pb2.OpenStreamRequest(run_id=run, worker_id=worker), timeout=10)
-
-        _rejected(lambda: open_stream(run="nope"), grpc.StatusCode.NOT_FOUND, "unknown run 'nope'")
-        _rejected(lambda: open_stream(worker=9999), PRECONDITION, "worker 9999 is not a live member")
-        ids = set()
-        for _ in range(4):
-            stream_id, sock = _attach(stub, run_id, mine)
-            cleanup.callback(sock.close)
-            ids.add(stream_id)
+    with _Run(shards_only.address, _spec(workers=2), tensors, n_workers=2) as run:
+        mine, theirs = run.workers
+        stub = run.stub(0)
+        _rejected(lambda: _open_stream(stub, "nope", mine), grpc.StatusCode.NOT_FOUND, "unknown run 'nope'")
+        _rejected(lambda: _open_stream(stub, run.id, 9999), PRECONDITION, "worker 9999 is not a live member")
+        ids = {run.attach(stub, mine)[0] for _ in range(4)}
         assert len(ids) == 4
-        _rejected(open_stream, grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {mine} already has 4 data streams")
+        _rejected(
+            lambda: _open_stream(stub, run.id, mine),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"worker {mine} already has 4 data streams",
+        )
         # The limit is per worker: the other worker still gets one.
-        stream_id, sock = _attach(stub, run_id, theirs)
-        cleanup.callback(sock.close)
+        stream_id, _ = run.attach(stub, theirs)
         assert stream_id not in ids
 
 
 def test_tokens_asked_for_before_connecting_do_not_exceed_the_stream_limit(shards_only):
-    tensors = {"w": torch.randn(1000)}
-    run_id, sessions, clients, placement = join_run(shards_only.address, _spec(), tensors, transport="grpc")
-    mine = sessions[0].worker_id
-    with ExitStack() as cleanup, open_channel(placement.shards[0]) as channel:
-        cleanup.callback(leave, sessions, clients)
-        stub = shard_pb2_grpc.ShardServiceStub(channel)
+    with _Run(shards_only.address, _spec(), {"w": torch.randn(1000)}) as run:
+        (mine,) = run.workers
+        stub = run.stub(0)
         responses = []
         for _ in range(6):
             try:
-                request = shard_pb2.OpenStreamRequest(run_id=run_id, worker_id=mine)
-                responses.append(stub.OpenStream(request, timeout=10))
+                responses.append(_open_stream(stub, run.id, mine))
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
         attached = 0
@@ -256,7 +314,7 @@ def test_tokens_asked_for_before_connecting_do_not_exceed_the_stream_limit(shard
                 stream = DataStream.connect(HOST, response.port, response.token, response.stream, 5)
             except StreamError:
                 continue
-            cleanup.callback(stream.close)
+            run.callback(stream.close)
             attached += 1
         assert attached <= 4, f"{attached} streams attached for one worker"
 
@@ -265,13 +323,9 @@ def test_tokens_asked_for_before_connecting_do_not_exceed_the_stream_limit(shard
 
 
 def test_a_connection_needs_the_token_and_a_token_works_once(shards_only):
-    tensors = {"w": torch.randn(1000)}
-    run_id, sessions, clients, placement = join_run(shards_only.address, _spec(), tensors, transport="grpc")
-    mine = sessions[0].worker_id
-    with ExitStack() as cleanup, open_channel(placement.shards[0]) as channel:
-        cleanup.callback(leave, sessions, clients)
-        stub = shard_pb2_grpc.ShardServiceStub(channel)
-        response = stub.OpenStream(shard_pb2.OpenStreamRequest(run_id=run_id, worker_id=mine), timeout=10)
+    with _Run(shards_only.address, _spec(), {"w": torch.randn(1000)}) as run:
+        (mine,) = run.workers
+        response = _open_stream(run.stub(0), run.id, mine)
         port, token = response.port, response.token
         wrong = bytes(b ^ 0xFF for b in token)
         with pytest.raises(StreamError, match="refused"):
@@ -288,7 +342,7 @@ def test_a_connection_needs_the_token_and_a_token_works_once(shards_only):
             assert _peer_closed(sock), "the shard accepted a wrong token"
         # None of that used the token up; once used, it is gone.
         stream = DataStream.connect(HOST, port, token, response.stream, 5)
-        cleanup.callback(stream.close)
+        run.callback(stream.close)
         assert not stream.closed and stream.id == response.stream
         with pytest.raises(StreamError, match="refused"):
             DataStream.connect(HOST, port, token, response.stream, 5)
@@ -358,32 +412,20 @@ def test_a_closed_listener_accepts_no_connection():
 def test_bad_streamed_pushes_are_rejected_and_change_nothing(shards_only):
     torch.manual_seed(4)
     tensors = {"w": torch.randn(100_000)}  # one 400 KB part: streamed
-    run_id, sessions, clients, placement = join_run(
-        shards_only.address, _spec(workers=2), tensors, n_workers=2, transport="grpc"
-    )
-    mine, theirs = sessions[0].worker_id, sessions[1].worker_id
-    (p,) = placement.parts
-    size = 4 * p.count
-    grad = torch.randn(p.count)
-    good = _floats(grad)
-    with ExitStack() as cleanup, open_channel(placement.shards[p.shard]) as channel:
-        cleanup.callback(leave, sessions, clients)
-        clients[0].register(tensors)
-        stub = shard_pb2_grpc.ShardServiceStub(channel)
+    with _Run(shards_only.address, _spec(workers=2), tensors, n_workers=2) as run:
+        mine, theirs = run.workers
+        (p,) = run.placement.parts
+        size = 4 * p.count
+        grad = torch.randn(p.count)
+        good = _floats(grad)
+        run.clients[0].register(tensors)
+        stub = run.stub(p.shard)
 
         def attach(worker: int = mine) -> tuple[int, socket.socket]:
-            stream_id, sock = _attach(stub, run_id, worker)
-            cleanup.callback(sock.close)
-            return stream_id, sock
+            return run.attach(stub, worker)
 
         def push(part: tensor_pb2.TensorPart, stream=None, worker: int = mine, step: int = 0):
-            return stub.Push(iter([_push_request(run_id, worker, step, part, stream)]), timeout=10)
-
-        def call(stream_id: int, number: int) -> shard_pb2.StreamCall:
-            return shard_pb2.StreamCall(stream=stream_id, call=number)
-
-        def frame(number: int, payload: bytes = good) -> bytes:
-            return struct.pack("<Q", number) + payload
+            return stub.Push(iter([_push_request(run.id, worker, step, part, stream)]), timeout=10)
 
         # Each failed call below that claimed a stream closes it, and a closed stream still counts
         # towards a worker's four in a run: this worker's four are used, then the other worker's.
@@ -391,9 +433,9 @@ def test_bad_streamed_pushes_are_rejected_and_change_nothing(shards_only):
         # A streamed part in a push that names no stream; a stream that does not exist; another
         # worker's stream. The stream is not touched (nothing was written for these).
         _rejected(lambda: push(_part(p, streamed=size)), INVALID, "part w/0 is streamed, but the call has no stream")
-        _rejected(lambda: push(_part(p, streamed=size), call(999_999, 1)), PRECONDITION, "data stream 999999 is not")
+        _rejected(lambda: push(_part(p, streamed=size), _call(999_999, 1)), PRECONDITION, "data stream 999999 is not")
         _rejected(
-            lambda: push(_part(p, streamed=size), call(s1, 1), worker=theirs),
+            lambda: push(_part(p, streamed=size), _call(s1, 1), worker=theirs),
             PRECONDITION,
             f"data stream {s1} is not open for worker {theirs}",
         )
@@ -401,88 +443,80 @@ def test_bad_streamed_pushes_are_rejected_and_change_nothing(shards_only):
         s2, sock2 = attach()
         for (stream_id, sock), too_many in (((s1, sock1), size + 1), ((s2, sock2), 1 << 62)):
             _rejected(
-                lambda n=too_many, s=stream_id: push(_part(p, streamed=n), call(s, 1)),
+                lambda n=too_many, s=stream_id: push(_part(p, streamed=n), _call(s, 1)),
                 INVALID,
                 "streamed bytes, more than",
             )
             assert _peer_closed(sock), "a push that failed on a stream left it open"
             _rejected(
-                lambda s=stream_id: push(_part(p, streamed=size), call(s, 2)),
+                lambda s=stream_id: push(_part(p, streamed=size), _call(s, 2)),
                 PRECONDITION,
                 f"data stream {stream_id} is not open for worker {mine}",
             )
         # A payload in the message and on the stream.
         s3, sock3 = attach()
-        _rejected(lambda: push(_part(p, streamed=size, payload=good), call(s3, 1)), INVALID, "and has another payload")
+        _rejected(lambda: push(_part(p, streamed=size, payload=good), _call(s3, 1)), INVALID, "and has another payload")
         assert _peer_closed(sock3)
         # Bytes of another call: the framing is lost, the stream closes.
         s4, sock4 = attach()
-        with _writing(sock4, frame(99)):
+        with _writing(sock4, _frame(99, good)):
             _rejected(
-                lambda: push(_part(p, streamed=size), call(s4, 1)), DATA_LOSS, "bytes of call 99, expected call 1"
+                lambda: push(_part(p, streamed=size), _call(s4, 1)), DATA_LOSS, "bytes of call 99, expected call 1"
             )
         assert _peer_closed(sock4)
-        _rejected(lambda: push(_part(p, streamed=size), call(s4, 2)), PRECONDITION, f"data stream {s4} is not open")
+        _rejected(lambda: push(_part(p, streamed=size), _call(s4, 2)), PRECONDITION, f"data stream {s4} is not open")
         # NaN in the streamed bytes.
         t1, tsock1 = attach(theirs)
         nan = grad.clone()
         nan[1234] = float("nan")
-        with _writing(tsock1, frame(1, _floats(nan))):
-            _rejected(lambda: push(_part(p, streamed=size), call(t1, 1), worker=theirs), INVALID, "NaN")
+        with _writing(tsock1, _frame(1, _floats(nan))):
+            _rejected(lambda: push(_part(p, streamed=size), _call(t1, 1), worker=theirs), INVALID, "NaN")
         assert _peer_closed(tsock1)
         # Too few bytes for the codec: read, then refused by the decoder.
         t2, tsock2 = attach(theirs)
-        with _writing(tsock2, frame(1, good[:-4])):
+        with _writing(tsock2, _frame(1, good[:-4])):
             _rejected(
-                lambda: push(_part(p, streamed=size - 4), call(t2, 1), worker=theirs), INVALID, f"expected {size}"
+                lambda: push(_part(p, streamed=size - 4), _call(t2, 1), worker=theirs), INVALID, f"expected {size}"
             )
         # The worker closes its end halfway through the part's bytes.
         t3, tsock3 = attach(theirs)
-        with _writing(tsock3, frame(1, good[: size // 2]), close_after=True):
+        with _writing(tsock3, _frame(1, good[: size // 2]), close_after=True):
             _rejected(
-                lambda: push(_part(p, streamed=size), call(t3, 1), worker=theirs),
+                lambda: push(_part(p, streamed=size), _call(t3, 1), worker=theirs),
                 DATA_LOSS,
                 "the peer closed the data stream",
             )
 
         # Nothing changed.
-        assert [s.pushes for s in _stats(placement, run_id)] == [0, 0, 0]
-        pulled = {"w": torch.zeros_like(tensors["w"])}
-        clients[0].pull(pulled)
-        assert torch.equal(pulled["w"], tensors["w"])
+        assert [s.pushes for s in run.stats()] == [0, 0, 0]
+        assert torch.equal(_pulled(run.clients[0], tensors)["w"], tensors["w"])
 
         # A good streamed push on a fresh stream is applied once; a retry of it reads its bytes
         # and reports applied=False; the stream still carries the next push.
         t4, tsock4 = attach(theirs)
         for number, step, applied in ((1, 0, True), (2, 0, False), (3, 1, True)):
-            with _writing(tsock4, frame(number)):
-                response = push(_part(p, streamed=size), call(t4, number), worker=theirs, step=step)
+            with _writing(tsock4, _frame(number, good)):
+                response = push(_part(p, streamed=size), _call(t4, number), worker=theirs, step=step)
             assert (response.parts, response.applied) == (1, applied)
-        stats = _stats(placement, run_id)[p.shard]
+        stats = run.stats()[p.shard]
         assert (stats.pushes, stats.bytes_pushed) == (2, 2 * size)
-        clients[0].pull(pulled)
-        torch.testing.assert_close(pulled["w"], tensors["w"] - 2 * LR * grad, rtol=0, atol=1e-5)
+        _assert_near(_pulled(run.clients[0], tensors)["w"], tensors["w"] - 2 * LR * grad)
         assert _peer_state(tsock4, 0.2) == "quiet"
 
 
 def test_a_stream_carries_one_push_at_a_time(shards_only):
     tensors = {"w": torch.randn(100_000)}
-    run_id, sessions, clients, placement = join_run(shards_only.address, _spec(), tensors, transport="grpc")
-    mine = sessions[0].worker_id
-    (p,) = placement.parts
-    size = 4 * p.count
-    grad = torch.randn(p.count)
-    with ExitStack() as cleanup, open_channel(placement.shards[p.shard]) as channel:
-        cleanup.callback(leave, sessions, clients)
-        clients[0].register(tensors)
-        stub = shard_pb2_grpc.ShardServiceStub(channel)
-        stream_id, sock = _attach(stub, run_id, mine)
-        cleanup.callback(sock.close)
+    with _Run(shards_only.address, _spec(), tensors) as run:
+        (mine,) = run.workers
+        (p,) = run.placement.parts
+        size = 4 * p.count
+        grad = torch.randn(p.count)
+        run.clients[0].register(tensors)
+        stub = run.stub(p.shard)
+        stream_id, sock = run.attach(stub, mine)
 
         def push(number: int, step: int):
-            request = _push_request(
-                run_id, mine, step, _part(p, streamed=size), shard_pb2.StreamCall(stream=stream_id, call=number)
-            )
+            request = _push_request(run.id, mine, step, _part(p, streamed=size), _call(stream_id, number))
             return stub.Push(iter([request]), timeout=20)
 
         first: list = []
@@ -490,12 +524,10 @@ def test_a_stream_carries_one_push_at_a_time(shards_only):
         waiting.start()  # holds the stream's receive direction while it waits for its bytes
         time.sleep(1.0)
         _rejected(lambda: push(2, 1), PRECONDITION, f"data stream {stream_id} is busy or closed")
-        sock.sendall(struct.pack("<Q", 1) + _floats(grad))
+        sock.sendall(_frame(1, _floats(grad)))
         waiting.join(15)
         assert first and first[0].applied
-        pulled = {"w": torch.zeros_like(tensors["w"])}
-        clients[0].pull(pulled)
-        torch.testing.assert_close(pulled["w"], tensors["w"] - LR * grad, rtol=0, atol=1e-5)
+        _assert_near(_pulled(run.clients[0], tensors)["w"], tensors["w"] - LR * grad)
 
 
 # --- 5. a pull read off the stream by hand ---------------------------------------------------------
@@ -505,27 +537,19 @@ def test_a_pull_on_a_stream_sends_large_payloads_after_their_messages(shards_onl
     torch.manual_seed(5)
     # One part of 800 KB (streamed, and as fp16 too) and one of 4 KB (inline), on two shards.
     tensors = {"w": torch.randn(200_000), "b": torch.randn(1000)}
-    run_id, sessions, clients, placement = join_run(
-        shards_only.address, _spec(workers=2, part_size=1 << 20), tensors, n_workers=2, transport="grpc"
-    )
-    mine, theirs = sessions[0].worker_id, sessions[1].worker_id
-    shard_of = {p.name: p.shard for p in placement.parts}
-    assert shard_of["w"] != shard_of["b"]
-    with ExitStack() as cleanup:
-        cleanup.callback(leave, sessions, clients)
-        clients[0].register(tensors)
-        stubs = {}
-        for name, shard in shard_of.items():
-            channel = cleanup.enter_context(open_channel(placement.shards[shard]))
-            stubs[name] = shard_pb2_grpc.ShardServiceStub(channel)
+    spec = _spec(workers=2, part_size=1 << 20)
+    with _Run(shards_only.address, spec, tensors, n_workers=2) as run:
+        mine, theirs = run.workers
+        shard_of = {p.name: p.shard for p in run.placement.parts}
+        assert shard_of["w"] != shard_of["b"]
+        run.clients[0].register(tensors)
+        stubs = {name: run.stub(shard) for name, shard in shard_of.items()}
 
         def pull(name: str, stream: int, number: int, codec=NONE, worker: int = mine):
-            request = shard_pb2.PullRequest(run_id=run_id, worker_id=worker, codec=codec)
-            request.stream.CopyFrom(shard_pb2.StreamCall(stream=stream, call=number))
+            request = shard_pb2.PullRequest(run_id=run.id, worker_id=worker, codec=codec, stream=_call(stream, number))
             return stubs[name].Pull(request, timeout=10)
 
-        stream_id, sock = _attach(stubs["w"], run_id, mine)
-        cleanup.callback(sock.close)
+        stream_id, sock = run.attach(stubs["w"], mine)
         for number, codec, dtype in ((7, NONE, np.float32), (8, FP16, np.float16)):
             responses = pull("w", stream_id, number, codec)
             (response,) = list(responses)  # the bytes wait in the socket buffer meanwhile
@@ -533,22 +557,15 @@ def test_a_pull_on_a_stream_sends_large_payloads_after_their_messages(shards_onl
             part = response.part
             assert (part.name, part.index, part.payload) == ("w", 0, b"")
             assert part.streamed == np.dtype(dtype).itemsize * part.count
-            sock.settimeout(5)
-            got = bytearray(8 + part.streamed)
-            view, read = memoryview(got), 0
-            while read < len(got):
-                n = sock.recv_into(view[read:])
-                assert n, "the shard closed the stream"
-                read += n
+            got = _read_exactly(sock, 8 + part.streamed, 5)
             assert got[:8] == struct.pack("<Q", number)
             expected = tensors["w"].numpy().astype(dtype)
             assert np.array_equal(np.frombuffer(bytes(got[8:]), dtype=dtype), expected)
-        stats = _stats(placement, run_id)[shard_of["w"]]
+        stats = run.stats()[shard_of["w"]]
         assert stats.bytes_pulled == 4 * 200_000 + 2 * 200_000
 
         # A small part travels in its message even when a stream is offered: nothing on the stream.
-        small_id, small_sock = _attach(stubs["b"], run_id, mine)
-        cleanup.callback(small_sock.close)
+        small_id, small_sock = run.attach(stubs["b"], mine)
         (response,) = list(pull("b", small_id, 1))
         (part,) = wire.parts_of(response)
         assert part.streamed == 0 and np.array_equal(np.frombuffer(part.payload, np.float32), tensors["b"].numpy())
@@ -565,37 +582,22 @@ def test_a_streamed_pull_sends_the_part_as_it_was_when_the_pull_took_it(shards_o
     # buffers hold, so the shard is still sending when the other worker's push lands.
     n = 12 << 20
     tensors = {"w": torch.arange(n, dtype=torch.float32)}
-    run_id, sessions, clients, placement = join_run(
-        shards_only.address, _spec(workers=2, part_size=4 * n), tensors, n_workers=2, transport="grpc"
-    )
-    mine = sessions[0].worker_id
-    (shard,) = {p.shard for p in placement.parts}
-    with ExitStack() as cleanup, open_channel(placement.shards[shard]) as channel:
-        cleanup.callback(leave, sessions, clients)
-        clients[0].register(tensors)
-        stub = shard_pb2_grpc.ShardServiceStub(channel)
-        stream_id, sock = _attach(stub, run_id, mine)
-        cleanup.callback(sock.close)
-        request = shard_pb2.PullRequest(
-            run_id=run_id, worker_id=mine, stream=shard_pb2.StreamCall(stream=stream_id, call=1)
-        )
+    with _Run(shards_only.address, _spec(workers=2, part_size=4 * n), tensors, n_workers=2) as run:
+        mine = run.workers[0]
+        (shard,) = {p.shard for p in run.placement.parts}
+        run.clients[0].register(tensors)
+        stub = run.stub(shard)
+        stream_id, sock = run.attach(stub, mine)
+        request = shard_pb2.PullRequest(run_id=run.id, worker_id=mine, stream=_call(stream_id, 1))
         responses = stub.Pull(request, timeout=30)
         part = next(responses).part
         assert part.streamed == 4 * n and part.version == 0
-        clients[1].push({"w": torch.ones(n)}, 0)  # applied at once (asgd): w - 0.5
-        got = np.empty(8 + 4 * n, dtype=np.uint8)
-        view, read = memoryview(got), 0
-        sock.settimeout(10)
-        while read < len(got):
-            received = sock.recv_into(view[read:])
-            assert received, "the shard closed the stream"
-            read += received
+        run.clients[1].push({"w": torch.ones(n)}, 0)  # applied at once (asgd): w - 0.5
+        got = _read_exactly(sock, 8 + 4 * n, 10)
         assert list(responses) == []
         assert bytes(got[:8]) == struct.pack("<Q", 1)
-        assert np.array_equal(got[8:].view(np.float32), tensors["w"].numpy())
-        after = {"w": torch.empty(n)}
-        clients[0].pull(after)
-        assert torch.equal(after["w"], tensors["w"] - LR)
+        assert np.array_equal(np.frombuffer(got, np.float32, offset=8), tensors["w"].numpy())
+        assert torch.equal(_pulled(run.clients[0], tensors)["w"], tensors["w"] - LR)
 
 
 # --- 6. the worker's fallback ------------------------------------------------------------------------
@@ -605,34 +607,31 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
     monkeypatch.setattr(ps_client, "_REOPEN_S", 3600.0)  # no new stream during this test
     torch.manual_seed(6)
     tensors = {"w": torch.randn(300_000)}  # three 400 KB parts, one per shard
-    spec = _spec(part_size=400_000)
-    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, transport="stream")
-    client = clients[0]
-    try:
-        assert sorted(p.shard for p in placement.parts) == [0, 1, 2]
+    with _Run(shards_only.address, _spec(part_size=400_000), tensors, transport="stream") as run:
+        client = run.clients[0]
+        assert sorted(p.shard for p in run.placement.parts) == [0, 1, 2]
         assert client.streamed_shards == [0, 1, 2]
         client.register(tensors)
         broken: list[DataStream] = []
         used: list[int] = []  # the stream of every payload sent or received
         send, receive_into = CallSender.send, CallReceiver.receive_into
 
-        def break_first_send(self, payload):
-            if not broken:  # the first payload of any shard's push: the stream breaks under it
-                broken.append(self.stream)
-                self.stream.close()
-                raise StreamError(f"data stream {self.stream.id}: broken by the test")
-            used.append(self.stream.id)
-            return send(self, payload)
+        def breaking(real, after: int):
+            """A spy on `real`: the stream under it breaks when `after` streams have broken before;
+            otherwise it notes the stream in `used` and runs `real`."""
 
-        def break_first_receive(self, view):
-            if len(broken) == 1:  # the first payload of any shard's pull
-                broken.append(self.stream)
-                self.stream.close()
-                raise StreamError(f"data stream {self.stream.id}: broken by the test")
-            used.append(self.stream.id)
-            return receive_into(self, view)
+            def spy(self, payload):
+                if len(broken) == after:
+                    broken.append(self.stream)
+                    self.stream.close()
+                    raise StreamError(f"data stream {self.stream.id}: broken by the test")
+                used.append(self.stream.id)
+                return real(self, payload)
 
-        monkeypatch.setattr(CallSender, "send", break_first_send)
+            return spy
+
+        # The first payload of any shard's push: the stream breaks under it.
+        monkeypatch.setattr(CallSender, "send", breaking(send, after=0))
         grads = [{"w": torch.randn_like(tensors["w"])} for _ in range(3)]
         ids = {client._streams[s].id for s in (0, 1, 2)}
         client.push(grads[0], 0)
@@ -640,11 +639,9 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
         others = [s for s in (0, 1, 2) if client._streams[s] is not None]
         assert client.streamed_shards == others and len(others) == 2 and len(used) == 2
         assert {first.id, *used} == ids
-        pulled = {"w": torch.zeros_like(tensors["w"])}
-        client.pull(pulled)
         expected = tensors["w"] - LR * grads[0]["w"]
-        torch.testing.assert_close(pulled["w"], expected, rtol=0, atol=1e-5)
-        stats = _stats(placement, run_id)
+        _assert_near(_pulled(client, tensors)["w"], expected)
+        stats = run.stats()
         assert [s.pushes for s in stats] == [1, 1, 1]  # once each, the broken shard's too
         assert [s.bytes_pushed for s in stats] == [4 * 100_000] * 3
         # Later pushes: inline to that shard, still on the streams to the others.
@@ -652,37 +649,32 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
         client.push(grads[1], 1)
         assert sorted(used) == sorted(client._streams[s].id for s in others)
         # A pull whose stream breaks under it is fetched again inline.
-        monkeypatch.setattr(CallReceiver, "receive_into", break_first_receive)
-        client.pull(pulled)
+        monkeypatch.setattr(CallReceiver, "receive_into", breaking(receive_into, after=1))  # the first of any pull
+        pulled = _pulled(client, tensors)
         expected -= LR * grads[1]["w"]
-        torch.testing.assert_close(pulled["w"], expected, rtol=0, atol=1e-5)
+        _assert_near(pulled["w"], expected)
         assert len(broken) == 2 and broken[1] is not first
         (last,) = [s for s in others if client._streams[s] is not None]
         assert client.streamed_shards == [last]
         used.clear()
         client.push(grads[2], 2)
-        client.pull(pulled)
+        pulled = _pulled(client, tensors)
         assert used == [client._streams[last].id] * 2  # one push and one pull on the last stream
         expected -= LR * grads[2]["w"]
-        torch.testing.assert_close(pulled["w"], expected, rtol=0, atol=1e-5)
-        stats = _stats(placement, run_id)
+        _assert_near(pulled["w"], expected)
+        stats = run.stats()
         assert [s.pushes for s in stats] == [3, 3, 3]
         assert [s.bytes_pushed for s in stats] == [3 * 4 * 100_000] * 3
         assert client.traffic.bytes_pulled == 3 * 4 * 300_000  # three pulls, the refetched one counted once
-    finally:
-        leave(sessions, clients)
 
 
 def test_a_broken_stream_is_opened_again_in_the_background(shards_only, monkeypatch):
     monkeypatch.setattr(ps_client, "_REOPEN_S", 0.2)
     torch.manual_seed(7)
     tensors = {"w": torch.randn(100_000)}  # one 400 KB part: streamed
-    run_id, sessions, clients, placement = join_run(
-        shards_only.address, _spec(part_size=400_000), tensors, transport="stream"
-    )
-    client = clients[0]
-    try:
-        (shard,) = {p.shard for p in placement.parts}
+    with _Run(shards_only.address, _spec(part_size=400_000), tensors, transport="stream") as run:
+        client = run.clients[0]
+        (shard,) = {p.shard for p in run.placement.parts}
         client.register(tensors)
         old = client._streams[shard]
         old.close()  # as a dropped connection would: the next call finds it closed and goes inline
@@ -704,19 +696,14 @@ def test_a_broken_stream_is_opened_again_in_the_background(shards_only, monkeypa
         monkeypatch.setattr(CallSender, "send", counting_send)
         client.push(grads[1], 1)
         assert used == [new.id]
-        pulled = {"w": torch.zeros_like(tensors["w"])}
-        client.pull(pulled)
         expected = tensors["w"] - LR * grads[0]["w"] - LR * grads[1]["w"]
-        torch.testing.assert_close(pulled["w"], expected, rtol=0, atol=1e-5)
+        _assert_near(_pulled(client, tensors)["w"], expected)
         # The shard forgot the stream the worker closed: with the new one, three more reach the limit.
-        with ExitStack() as cleanup, open_channel(placement.shards[shard]) as channel:
-            stub = shard_pb2_grpc.ShardServiceStub(channel)
-            for _ in range(3):
-                cleanup.callback(_attach(stub, run_id, sessions[0].worker_id)[1].close)
-            request = shard_pb2.OpenStreamRequest(run_id=run_id, worker_id=sessions[0].worker_id)
-            _rejected(lambda: stub.OpenStream(request, timeout=10), grpc.StatusCode.RESOURCE_EXHAUSTED, "already has 4")
-    finally:
-        leave(sessions, clients)
+        (mine,) = run.workers
+        stub = run.stub(shard)
+        for _ in range(3):
+            run.attach(stub, mine)
+        _rejected(lambda: _open_stream(stub, run.id, mine), grpc.StatusCode.RESOURCE_EXHAUSTED, "already has 4")
 
 
 def test_streams_closed_under_running_pushes_lose_nothing(shards_only):
@@ -724,10 +711,8 @@ def test_streams_closed_under_running_pushes_lose_nothing(shards_only):
     after its bytes): whichever, every push lands once and the next ones go inline."""
     torch.manual_seed(7)
     tensors = {"w": torch.randn(3 * 262_144)}  # three 1 MiB parts
-    spec = _spec(part_size=1 << 20)
-    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, transport="stream")
-    client = clients[0]
-    try:
+    with _Run(shards_only.address, _spec(part_size=1 << 20), tensors, transport="stream") as run:
+        client = run.clients[0]
         client.register(tensors)
         grads = [{"w": torch.randn_like(tensors["w"])} for _ in range(4)]
         expected = tensors["w"].clone()
@@ -743,12 +728,8 @@ def test_streams_closed_under_running_pushes_lose_nothing(shards_only):
                     timer.join()
                 assert client.streamed_shards == []
             expected -= LR * grad["w"]
-        pulled = {"w": torch.zeros_like(tensors["w"])}
-        client.pull(pulled)
-        torch.testing.assert_close(pulled["w"], expected, rtol=0, atol=1e-5)
-        assert [s.pushes for s in _stats(placement, run_id)] == [4, 4, 4]
-    finally:
-        leave(sessions, clients)
+        _assert_near(_pulled(client, tensors)["w"], expected)
+        assert [s.pushes for s in run.stats()] == [4, 4, 4]
 
 
 # --- 7. shards without a data port, and a run's end ---------------------------------------------------
@@ -785,8 +766,8 @@ def _open_run(addresses: list[str], tensors: dict[str, torch.Tensor], workers: l
             workers=workers,
             total_steps=10,
         )
-        with open_channel(address) as channel:
-            shard_pb2_grpc.ShardServiceStub(channel).OpenRun(request, timeout=10)
+        with _shard(address) as stub:
+            stub.OpenRun(request, timeout=10)
     return placement
 
 
@@ -796,19 +777,15 @@ def test_a_shard_without_a_data_port_gets_payloads_inline():
     with _in_process_shards([StreamListener(0), None]) as addresses:
         placement = _open_run(addresses, tensors, [0], 400_000)
         assert sorted(p.shard for p in placement.parts) == [0, 1]
-        with open_channel(addresses[1]) as channel:
-            stub = shard_pb2_grpc.ShardServiceStub(channel)
-            request = shard_pb2.OpenStreamRequest(run_id="r1", worker_id=0)
-            _rejected(lambda: stub.OpenStream(request), PRECONDITION, "this shard has no data port")
+        with _shard(addresses[1]) as stub:
+            _rejected(lambda: _open_stream(stub, "r1", 0), PRECONDITION, "this shard has no data port")
         client = ParameterClient(placement, "r1", 0, NONE, NONE, timeout_s=10, transport="stream")
         try:
             assert client.streamed_shards == [0]  # the shard with a data port only
             client.register(tensors)
             grad = {"w": torch.randn_like(tensors["w"])}
             client.push(grad, 0)
-            pulled = {"w": torch.zeros_like(tensors["w"])}
-            client.pull(pulled)
-            torch.testing.assert_close(pulled["w"], tensors["w"] - LR * grad["w"], rtol=0, atol=1e-5)
+            _assert_near(_pulled(client, tensors)["w"], tensors["w"] - LR * grad["w"])
             assert client.traffic.bytes_pushed == client.traffic.bytes_pulled == 4 * 200_000
             assert [s.bytes_pushed for s in _stats(placement, "r1")] == [4 * 100_000] * 2
             assert client.streamed_shards == [0]
@@ -818,12 +795,11 @@ def test_a_shard_without_a_data_port_gets_payloads_inline():
 
 def test_a_members_streams_close_when_it_leaves_and_all_when_the_run_closes():
     tensors = {"w": torch.randn(1000)}
-    with _in_process_shards([StreamListener(0)]) as (address,), open_channel(address) as channel:
+    with _in_process_shards([StreamListener(0)]) as (address,), _shard(address) as stub:
         _open_run([address], tensors, [0, 1], 1 << 20)
-        stub = shard_pb2_grpc.ShardServiceStub(channel)
         leaving, sock0 = _attach(stub, "r1", 0)
         staying, sock1 = _attach(stub, "r1", 1)
-        pending = stub.OpenStream(shard_pb2.OpenStreamRequest(run_id="r1", worker_id=0), timeout=10)
+        pending = _open_stream(stub, "r1", 0)
         try:
             stub.SetMembership(shard_pb2.SetMembershipRequest(run_id="r1", epoch=1, live_workers=[1]), timeout=10)
             assert _peer_closed(sock0), "the stream of a worker that left stayed open"
@@ -831,9 +807,8 @@ def test_a_members_streams_close_when_it_leaves_and_all_when_the_run_closes():
             # Its token, asked for before it left, no longer attaches; nor can it ask again.
             with pytest.raises(StreamError, match="refused"):
                 DataStream.connect(HOST, pending.port, pending.token, pending.stream, 5)
-            request = shard_pb2.OpenStreamRequest(run_id="r1", worker_id=0)
-            _rejected(lambda: stub.OpenStream(request), PRECONDITION, "worker 0 is not a live member")
-            late = stub.OpenStream(shard_pb2.OpenStreamRequest(run_id="r1", worker_id=1), timeout=10)
+            _rejected(lambda: _open_stream(stub, "r1", 0), PRECONDITION, "worker 0 is not a live member")
+            late = _open_stream(stub, "r1", 1)
             stub.CloseRun(shard_pb2.CloseRunRequest(run_id="r1"), timeout=10)
             assert _peer_closed(sock1), "a stream outlived its run"
             with pytest.raises(StreamError, match="refused"):
