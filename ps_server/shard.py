@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import socket
 import threading
@@ -17,7 +16,15 @@ import torch
 from google.protobuf.message import DecodeError
 
 from gradps import wire
-from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
+from gradps.channel import (
+    add_health,
+    bind,
+    make_server,
+    open_channel,
+    serve_until_signal,
+    tune_allocator,
+    write_port_file,
+)
 from gradps.codecs import CodecError, decode_part, decode_summand, encode_part, get_codec, is_plain, plain_payload
 from gradps.codecs.base import require_finite
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
@@ -38,8 +45,6 @@ _PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.
 _MAX_SEGMENTS_PER_WORKER = 4
 # Likewise data streams.
 _MAX_STREAMS_PER_WORKER = 4
-# mallopt(3) parameter: the most arenas glibc makes (see _one_malloc_arena).
-_M_ARENA_MAX = -8
 
 
 def _unpack(message, request_type, part_field: int, context: grpc.ServicerContext):
@@ -639,25 +644,6 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
                 time.sleep(0.5)
 
 
-def _one_malloc_arena() -> None:
-    """Serve every thread's allocations from glibc's main arena, before the server starts threads.
-
-    gRPC runs each call on a thread of its pool, and glibc gives each thread an arena of its
-    own: a push's decoded gradients, freed in one thread's arena, could not serve the next push
-    decoded on another thread, so a shard's resident memory grew with the number of threads
-    that had held a push (`gradps bench memory`, SGD and 2 workers through shared memory:
-    used / expected 1.17-1.78 from run to run, 1.10-1.22 with one arena; docs/performance.md
-    "Shard memory"). Buffers are allocated a part at a time, so the arena's lock is not
-    contended: `gradps bench transport` showed no difference. Elsewhere than glibc (musl,
-    macOS) this does nothing.
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_ARENA_MAX, 1)
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--port", envvar="GRADPS_PORT", default=50052, type=int, help="Port to bind on [::] (0: any free).")
 @click.option(
@@ -687,7 +673,10 @@ def main(
     log_level: str,
 ) -> None:
     """gradps shard: holds parts of the parameters and applies the run's update rule."""
-    _one_malloc_arena()
+    # First, before the data port's listener starts a thread: a thread that allocates before the
+    # one-arena setting keeps an arena of its own, and pushes decoded there pile up beside the
+    # others' (tests/test_shard_memory.py).
+    tune_allocator()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s shard %(levelname)s %(message)s")
     torch_device = torch.device(device)
     try:
