@@ -59,18 +59,18 @@ def parse_choices(allowed: Sequence[str]) -> Callable:
 
 # `gradps bench transport` also emulates BytePS's colocated placement on one machine: worker k
 # shares a host with shard k (mod shards), so it uses shared memory with that shard and data
-# streams with the others; between hosts, that halves the bytes a worker sends over the network.
+# streams with the others; between hosts, only the other shards' share crosses the network.
 COLOCATED = "colocated"
 
 
 def transport_option(choices: Sequence[str] = TRANSPORTS) -> Callable:
     """`--transport shm,stream,grpc` (any of `choices`), given to the command as `transports`."""
-    help = (
+    text = (
         "Where payloads travel: shm (shared memory), stream (raw TCP data streams), grpc (in the "
         "messages); calls go through gRPC in all three."
     )
     if COLOCATED in choices:
-        help += " colocated: each worker shares a host with one shard (shm with it, streams with the others)."
+        text += " colocated: each worker shares a host with one shard (shm with it, streams with the others)."
     return click.option(
-        "--transport", "transports", default=",".join(TRANSPORTS), callback=parse_choices(choices), help=help
+        "--transport", "transports", default=",".join(TRANSPORTS), callback=parse_choices(choices), help=text
     )
