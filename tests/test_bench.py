@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from click.testing import CliRunner
 
+from client.bench.plot import plot_transport
 from client.cli import cli
 
 _FIELDS = (
@@ -48,10 +50,13 @@ def test_transport_bench_writes_complete_rows(tmp_path):
             "--part-size=0.5",  # 2 parts per shard, large enough to go on a data stream
             "--round-mib=1",
             f"--json={out}",
+            f"--plot={tmp_path / 'transport.png'}",
         ],
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
+    figure = (tmp_path / "transport.png").read_bytes()
+    assert figure.startswith(b"\x89PNG") and len(figure) > 10_000
     ops = sorted((r["op"], r["codec"], r["transport"]) for r in rows)
     # Every op, codec and transport once; a shm or stream row is only written when every shard
     # mapped the bench workers' segments or attached their streams (the workers fail otherwise).
@@ -87,6 +92,16 @@ def test_transport_bench_places_each_shard_beside_a_worker(tmp_path):
         ("sync_step", "colocated", 2),
     ]
     assert all(_positive(r["seconds"]) and _positive(r["ratio_vs_gloo"]) for r in rows), rows
+
+
+def test_transport_plot_draws_what_a_run_has_and_refuses_nothing(tmp_path):
+    # One worker: push_pull rows alone (no gloo reference, no sync step); the right panel says so.
+    row = {"op": "push_pull", "size_mib": 1.0, "transport": "shm", "codec": "none", "ratio_vs_tcp": 0.8}
+    plot_transport([row, {**row, "size_mib": 16.0, "ratio_vs_tcp": 1.1}], tmp_path / "one.svg")
+    assert b"<svg" in (tmp_path / "one.svg").read_bytes()
+    with pytest.raises(ValueError, match="no rows"):
+        plot_transport([], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
 
 
 def _bench(tmp_path, *args: str) -> list | dict:
@@ -147,6 +162,7 @@ def test_bad_bench_options_are_one_line_usage_errors():
         (["memory", "--transport", "colocated"], "unknown value 'colocated': expected shm or stream or grpc"),
         (["transport", "--sizes", "1,x"], "expected a comma-separated list"),
         (["transport", "--codec", "zip"], "unknown codec"),
+        (["transport", "--plot", "rows.txt"], "rows.txt: expected a file ending in .png, .svg, .pdf"),
         (["step", "--device", "tpu"], "'tpu' is not one of"),
     ]
     for args, words in cases:

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from client.bench.options import COLOCATED, parse_codecs, parse_counts, parse_list, transport_option
+from client.bench.plot import FORMATS, plot_transport
 from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
@@ -202,6 +203,13 @@ def print_rows(rows: list[Row], console: Console) -> None:
     console.print(table)
 
 
+def _plot_path(path: Path | None) -> Path | None:
+    """--plot checked before the bench starts: a figure format matplotlib writes."""
+    if path is not None and path.suffix.lower() not in FORMATS:
+        raise click.BadParameter(f"{path.name}: expected a file ending in {', '.join(FORMATS)}")
+    return path
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--sizes", default="1,16,64,256", callback=parse_list(float), help="Parameter set sizes, MiB.")
 @click.option("--shards", "shards_list", default="1,2", callback=parse_counts, help="Shard counts.")
@@ -215,8 +223,15 @@ def print_rows(rows: list[Row], console: Console) -> None:
 )
 @device_option("Where the workers' tensors and the shards' parts live.", default="cpu")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=lambda ctx, param, path: _plot_path(path),
+    help="Draw the rows against the targets here (.png, .svg or .pdf).",
+)
 def transport(
-    sizes, shards_list, workers_list, codecs, transports, rounds, part_size, round_mib, device, json_path
+    sizes, shards_list, workers_list, codecs, transports, rounds, part_size, round_mib, device, json_path, plot_path
 ) -> None:
     """Push + pull through real shard processes beside loopback TCP and gloo all_reduce."""
     if any(s <= 0 for s in sizes):
@@ -239,3 +254,6 @@ def transport(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         console.log(f"wrote {json_path}")
+    if plot_path:
+        plot_transport([asdict(r) for r in rows], plot_path)
+        console.log(f"wrote {plot_path}")
