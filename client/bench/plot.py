@@ -26,22 +26,29 @@ def _lines(rows: Sequence[Mapping[str, Any]], op: str, field: str) -> dict[tuple
     for r in rows:
         if r["op"] == op and r.get(field) is not None:
             values.setdefault((r["transport"], r["codec"]), {}).setdefault(r["size_mib"], []).append(r[field])
-    order = list(_COLORS)
+    rank = {transport: i for i, transport in enumerate(_COLORS)}
+
+    def legend_order(key: tuple[str, str]) -> tuple:
+        transport, codec = key
+        return rank.get(transport, len(rank)), codec != "none", key
+
     return {
-        key: [(size, statistics.median(v), min(v), max(v)) for size, v in sorted(by_size.items())]
-        for key, by_size in sorted(
-            values.items(),
-            key=lambda kv: (order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][1] != "none", kv[0]),
-        )
+        key: [(size, statistics.median(v), min(v), max(v)) for size, v in sorted(values[key].items())]
+        for key in sorted(values, key=legend_order)
     }
+
+
+def check_path(path: Path) -> None:
+    """ValueError unless `path` names a format matplotlib writes (FORMATS)."""
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"{path.name}: expected a file ending in {', '.join(FORMATS)}")
 
 
 def plot_transport(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "gradps bench transport") -> None:
     """Write the figure of `rows` (Row fields, as `--json` writes them) to `path`, one of FORMATS."""
     if not rows:
         raise ValueError("no rows to plot")
-    if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"{path.name}: expected a file ending in {', '.join(FORMATS)}")
+    check_path(path)
     import matplotlib
 
     matplotlib.use("Agg")

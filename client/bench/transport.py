@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from client.bench.options import COLOCATED, parse_codecs, parse_counts, parse_list, transport_option
-from client.bench.plot import FORMATS, plot_transport
+from client.bench.plot import check_path, plot_transport
 from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
@@ -203,10 +203,13 @@ def print_rows(rows: list[Row], console: Console) -> None:
     console.print(table)
 
 
-def _plot_path(path: Path | None) -> Path | None:
-    """--plot checked before the bench starts: a figure format matplotlib writes."""
-    if path is not None and path.suffix.lower() not in FORMATS:
-        raise click.BadParameter(f"{path.name}: expected a file ending in {', '.join(FORMATS)}")
+def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
+    """--plot, checked before the bench starts."""
+    if path is not None:
+        try:
+            check_path(path)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
     return path
 
 
@@ -227,7 +230,7 @@ def _plot_path(path: Path | None) -> Path | None:
     "--plot",
     "plot_path",
     type=click.Path(dir_okay=False, path_type=Path),
-    callback=lambda ctx, param, path: _plot_path(path),
+    callback=_plot_path,
     help="Draw the rows against the targets here (.png, .svg or .pdf).",
 )
 def transport(
