@@ -16,7 +16,15 @@ import torch
 
 from gradps import wire
 from gradps.channel import open_channel
-from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part, is_plain, plain_payload
+from gradps.codecs import (
+    CodecError,
+    ErrorFeedback,
+    decode_part,
+    encode_part,
+    is_plain,
+    max_wire_bytes,
+    plain_payload,
+)
 from gradps.codecs.base import require_finite
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError
 from gradps.placement import ITEMSIZE, PartKey
@@ -647,7 +655,7 @@ def receive_part_into(target: torch.Tensor, part: tensor_pb2.TensorPart, receive
     into the tensor for `none` on the CPU (the kernel's copy and no other)."""
     if receiver is None:
         raise CodecError(f"part {part.name}/{part.index} arrived on a data stream this pull did not offer")
-    if part.streamed > 8 * part.count + 1024:  # more than any codec's payload of the part
+    if part.streamed > max_wire_bytes(part):
         raise CodecError(f"part {part.name}/{part.index}: {part.streamed} streamed bytes for {part.count} values")
     in_place = target.device.type == "cpu" and target.is_contiguous()
     if in_place and plain_payload(part) and part.streamed == 4 * part.count:

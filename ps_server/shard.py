@@ -25,7 +25,15 @@ from gradps.channel import (
     tune_allocator,
     write_port_file,
 )
-from gradps.codecs import CodecError, decode_part, decode_summand, encode_part, get_codec, is_plain, plain_payload
+from gradps.codecs import (
+    CodecError,
+    decode_part,
+    decode_summand,
+    encode_part,
+    is_plain,
+    max_wire_bytes,
+    plain_payload,
+)
 from gradps.codecs.base import require_finite
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
 from gradps.device import device_option
@@ -491,11 +499,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         if len(received) or msg.HasField("shared"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {name} is streamed and has another payload")
         try:
-            limit = get_codec(msg.codec).max_payload_bytes(msg.count)
+            limit = max_wire_bytes(msg)
         except CodecError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {name}: {e}")
-        if msg.lz4:
-            limit += limit // 128 + 1024  # an incompressible lz4 frame is a little longer than its content
         if msg.streamed > limit:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"part {name}: {msg.streamed} streamed bytes, more than {limit}"

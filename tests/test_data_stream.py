@@ -22,7 +22,7 @@ from gpu_worker import ps_client
 from gpu_worker.ps_client import ParameterClient, tensor_specs
 from gradps import data_stream, wire
 from gradps.channel import bind, make_server, open_channel
-from gradps.codecs import parse_codec
+from gradps.codecs import CodecError, parse_codec
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
 from gradps.placement import place
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
@@ -574,6 +574,20 @@ def test_a_pull_on_a_stream_sends_large_payloads_after_their_messages(shards_onl
         # Another worker's stream, and one that does not exist.
         _rejected(lambda: list(pull("w", stream_id, 9, worker=theirs)), PRECONDITION, f"not open for worker {theirs}")
         _rejected(lambda: list(pull("w", 424242, 9)), PRECONDITION, "data stream 424242 is not open")
+
+
+def test_a_pulled_part_longer_than_its_codec_allows_is_refused_before_reading():
+    # 10 float32 values are 40 bytes: a shard announcing 41 is refused at once, not waited for.
+    mine, theirs = socket.socketpair()
+    stream = DataStream(mine, 1)
+    try:
+        part = tensor_pb2.TensorPart(name="w", index=0, count=10, streamed=41, codec=NONE)
+        with stream.receiving(1, 5) as receiver:
+            with pytest.raises(CodecError, match="41 streamed bytes for 10 values"):
+                ps_client.receive_part_into(torch.zeros(10), part, receiver)
+    finally:
+        stream.close()
+        theirs.close()
 
 
 def test_a_streamed_pull_sends_the_part_as_it_was_when_the_pull_took_it(shards_only):

@@ -31,6 +31,7 @@ __all__ = [
     "format_codec",
     "get_codec",
     "is_plain",
+    "max_wire_bytes",
     "maybe_lz4",
     "parse_codec",
     "plain_payload",
@@ -46,6 +47,14 @@ def is_plain(params: tensor_pb2.CodecParams) -> bool:
 def plain_payload(part: tensor_pb2.TensorPart) -> bool:
     """Whether a part's payload is its float32 values as they are: codec none and no lz4 frame."""
     return is_plain(part.codec) and not part.lz4
+
+
+def max_wire_bytes(part: tensor_pb2.TensorPart) -> int:
+    """The most bytes a part's payload can take: its codec's largest payload of `part.count`
+    values, and an lz4 frame's overhead when it has one (an incompressible frame is a little
+    longer than its content). CodecError for a codec that does not exist."""
+    limit = get_codec(part.codec).max_payload_bytes(part.count)
+    return limit + limit // 128 + 1024 if part.lz4 else limit
 
 
 def encode_part(
