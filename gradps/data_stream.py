@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from gradps.channel import tune_allocator
+
 _LOGGER = logging.getLogger("gradps.stream")
 TOKEN_BYTES = 16
 # A connection must present its token this soon after connecting, and the worker's token is
@@ -222,6 +224,10 @@ class StreamListener:
     and names the function that attaches its connection once it presents the token."""
 
     def __init__(self, port: int = 0) -> None:
+        # Before the accept thread, as make_server and open_channel do before theirs: a thread that
+        # allocates before the one-arena setting keeps an arena of its own, and a shard's decoded
+        # pushes then pile up in two (tests/test_shard_memory.py).
+        tune_allocator()
         # Every address, as the gRPC port binds [::]; IPv4 alone where the host has no IPv6.
         dual = socket.has_dualstack_ipv6()
         family = socket.AF_INET6 if dual else socket.AF_INET

@@ -16,15 +16,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from gradps import wire
-from gradps.channel import (
-    add_health,
-    bind,
-    make_server,
-    open_channel,
-    serve_until_signal,
-    tune_allocator,
-    write_port_file,
-)
+from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
 from gradps.codecs import (
     CodecError,
     decode_part,
@@ -679,10 +671,6 @@ def main(
     log_level: str,
 ) -> None:
     """gradps shard: holds parts of the parameters and applies the run's update rule."""
-    # First, before the data port's listener starts a thread: a thread that allocates before the
-    # one-arena setting keeps an arena of its own, and pushes decoded there pile up beside the
-    # others' (tests/test_shard_memory.py).
-    tune_allocator()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s shard %(levelname)s %(message)s")
     torch_device = torch.device(device)
     try:

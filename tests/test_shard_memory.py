@@ -1,8 +1,8 @@
 """A shard serves every thread's allocations from one malloc arena (gradps/channel.py
-`tune_allocator`, applied before the shard starts any thread): gRPC decodes pushes on many
-threads, and a gradient freed in one thread's arena cannot serve the next push decoded on
-another, so with an arena per thread a shard's memory grows with its threads
-(docs/performance.md "Shard memory")."""
+`tune_allocator`, applied by every gradps factory before it starts threads: make_server,
+open_channel and the data port's StreamListener). gRPC decodes pushes on many threads, and a
+gradient freed in one thread's arena cannot serve the next push decoded on another, so with an
+arena per thread a shard's memory grows with its threads (docs/performance.md "Shard memory")."""
 
 from __future__ import annotations
 
