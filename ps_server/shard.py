@@ -235,7 +235,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     if stream_call is None:
                         stream_call = request.stream
                         stream = self._stream(run, request.worker_id, stream_call, context)
-                        receiver = claims.enter_context(self._receiver(stream, stream_call, context))
+                        receiver = claims.enter_context(_claimed(stream, "receive", stream_call, context))
                     elif request.stream != stream_call:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all messages of a push name the same stream")
                 for msg, payload in parts:
@@ -364,7 +364,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     if request.HasField("stream"):
                         call = request.stream
                         stream = self._stream(run, request.worker_id, call, context)
-                        receiver = claims.enter_context(self._receiver(stream, call, context))
+                        receiver = claims.enter_context(_claimed(stream, "receive", call, context))
                 elif _round_of(request) != header:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "all parts of a deposit need the same header")
                 parts = wire.parts_of(request)
@@ -437,17 +437,6 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"data stream {call.stream} is not open for worker {worker_id}"
             )
         return stream
-
-    @staticmethod
-    @contextmanager
-    def _receiver(
-        stream: DataStream, call: shard_pb2.StreamCall, context: grpc.ServicerContext
-    ) -> Iterator[CallReceiver]:
-        """The receive direction of the worker's stream for one call (a push, a deposit)."""
-        with stream.receiving(call.call, _time_left(context)) as receiver:
-            if receiver is None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
-            yield receiver
 
     def _payload(
         self,
@@ -601,13 +590,25 @@ def _send(
     if stream is None:
         yield from _responses(response_type, part_field, replies, raw)
         return
-    with stream.sending(call.call, _time_left(context)) as sender:
-        if sender is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
+    with _claimed(stream, "send", call, context) as sender:
         try:
             yield from _responses(response_type, part_field, replies, raw, sender)
         except StreamError as e:
             context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+
+
+@contextmanager
+def _claimed(
+    stream: DataStream, direction: str, call: shard_pb2.StreamCall, context: grpc.ServicerContext
+) -> Iterator[CallSender | CallReceiver]:
+    """One direction of the worker's stream ("send": a pull's or an average's payloads; "receive":
+    a push's or a deposit's) for the call, until its deadline; FAILED_PRECONDITION while another
+    call has it or it is closed."""
+    claim = stream.sending if direction == "send" else stream.receiving
+    with claim(call.call, _time_left(context)) as io:
+        if io is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
+        yield io
 
 
 def _time_left(context: grpc.ServicerContext) -> float:
