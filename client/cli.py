@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
-from client.sdk import Client, GradpsError
+from client.sdk import Client
+from client.usage import FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
 from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
 from gradps.device import device_option
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
+from ps_server.run_spec import validate, with_defaults
 
 SCHEMES = ["sync", "asgd", "ssp", "wagma", "pseudosync"]
 _CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -39,8 +42,8 @@ def _straggler(ctx, param, value: str | None) -> tuple[int, float] | None:
         parsed = int(rank), float(factor)
     except ValueError:
         raise click.BadParameter(f"expected RANK:FACTOR such as 3:3, got {value!r}") from None
-    if parsed[0] < 0 or parsed[1] < 1:
-        raise click.BadParameter("rank must be >= 0 and factor >= 1")
+    if parsed[0] < 0 or not 1 <= parsed[1] < float("inf"):
+        raise click.BadParameter("rank must be >= 0 and factor a finite number >= 1")
     return parsed
 
 
@@ -53,21 +56,25 @@ def spec_options(fn):
         ),
         click.option("--dataset-size", default=0, type=click.IntRange(min=0), help="Samples for synthetic datasets."),
         click.option("--optimizer", default="sgd", type=click.Choice(["sgd", "adam", "adamw"])),
-        click.option("--lr", default=0.2, type=click.FloatRange(min=0, min_open=True)),
-        click.option("--momentum", default=0.0, type=click.FloatRange(min=0)),
+        click.option("--lr", default=0.2, type=FiniteFloat(min=0, min_open=True)),
+        click.option("--momentum", default=0.0, type=FiniteFloat(min=0)),
         click.option("--nesterov", is_flag=True),
-        click.option("--weight-decay", default=0.0, type=click.FloatRange(min=0)),
+        click.option("--weight-decay", default=0.0, type=FiniteFloat(min=0)),
         click.option("--schedule", default="constant", type=click.Choice(["constant", "step", "cosine"])),
+        click.option(
+            "--step-size", default=0, type=click.IntRange(min=0), help="step schedule: decay the lr every N updates."
+        ),
+        click.option("--gamma", default=0.1, type=FiniteFloat(0, 1, min_open=True), help="step schedule: lr factor."),
         click.option("--warmup-steps", default=0, type=click.IntRange(min=0)),
         click.option("--batch-size", default=32, type=click.IntRange(min=1)),
         click.option("--steps", default=0, type=click.IntRange(min=0), help="Steps per worker (0: use --epochs)."),
-        click.option("--epochs", default=50.0, type=click.FloatRange(min=0, min_open=True)),
+        click.option("--epochs", default=50.0, type=FiniteFloat(min=0, min_open=True)),
         click.option("--seed", default=0, type=click.IntRange(min=0)),
         click.option(
             "--codec",
             default="none",
             callback=_codec,
-            help="Gradient codec: none, fp16, bf16, int8, topk:R, randk:R, sign.",
+            help="Gradient codec: none, fp16, bf16, int8, int8:stochastic, topk:R, randk:R, sign.",
         ),
         click.option("--pull-codec", default="none", callback=_codec, help="Weights codec: none, fp16, bf16."),
         click.option(
@@ -77,19 +84,19 @@ def spec_options(fn):
         click.option("--n-push", default=1, type=click.IntRange(min=1), help="asgd: push every N steps."),
         click.option("--n-fetch", default=1, type=click.IntRange(min=1), help="asgd: fetch every N steps."),
         click.option("--staleness-lr", is_flag=True, help="asgd/ssp: lr / max(1, staleness)."),
-        click.option("--dc-lambda", default=0.0, type=click.FloatRange(min=0), help="asgd/ssp: DC-ASGD lambda."),
+        click.option("--dc-lambda", default=0.0, type=FiniteFloat(min=0), help="asgd/ssp: DC-ASGD lambda."),
         click.option("--dc-adaptive", is_flag=True, help="asgd/ssp: adaptive DC-ASGD lambda."),
         click.option("--staleness", default=2, type=click.IntRange(min=0), help="ssp: staleness bound s."),
         click.option("--group-size", default=0, type=click.IntRange(min=0), help="wagma: group size (0: ~sqrt(P))."),
         click.option("--tau", default=10, type=click.IntRange(min=1), help="wagma: global average every tau steps."),
-        click.option("--alpha", default=0.5, type=click.FloatRange(0, 1, min_open=True), help="pseudosync: initial a."),
-        click.option("--alpha-min", default=0.1, type=click.FloatRange(0, 1, min_open=True), help="pseudosync: min a."),
+        click.option("--alpha", default=0.5, type=FiniteFloat(0, 1, min_open=True), help="pseudosync: initial a."),
+        click.option("--alpha-min", default=0.1, type=FiniteFloat(0, 1, min_open=True), help="pseudosync: min a."),
         click.option("--fixed-alpha", is_flag=True, help="pseudosync: keep a fixed (no adaptation)."),
         click.option(
             "--straggler", default=None, callback=_straggler, help="RANK:FACTOR: that worker is FACTOR times slower."
         ),
         click.option(
-            "--jitter", default=0.0, type=click.FloatRange(0, 1), help="Probability that a step takes twice as long."
+            "--jitter", default=0.0, type=FiniteFloat(0, 1), help="Probability that a step takes twice as long."
         ),
     ]
     for option in reversed(options):
@@ -98,9 +105,10 @@ def spec_options(fn):
 
 
 def build_spec(scheme: str, workers: int, **o) -> run_pb2.RunSpec:
-    """A RunSpec from the CLI's options."""
+    """A RunSpec from the CLI's options, checked as the coordinator will check it: a bad
+    combination is a usage error now, not after an embedded cluster has started."""
     straggler = o.get("straggler")
-    return run_pb2.RunSpec(
+    spec = run_pb2.RunSpec(
         model=o["model"],
         dataset=o["dataset"],
         dataset_size=o["dataset_size"],
@@ -125,6 +133,8 @@ def build_spec(scheme: str, workers: int, **o) -> run_pb2.RunSpec:
             nesterov=o["nesterov"],
             weight_decay=o["weight_decay"],
             schedule=o["schedule"],
+            step_size=o["step_size"],
+            gamma=o["gamma"],
             warmup_steps=o["warmup_steps"],
         ),
         batch_size=o["batch_size"],
@@ -140,19 +150,11 @@ def build_spec(scheme: str, workers: int, **o) -> run_pb2.RunSpec:
         straggler_factor=straggler[1] if straggler else 0.0,
         jitter=o["jitter"],
     )
-
-
-def one_line_errors(fn):
-    """Turn the errors a user can cause into one line and exit code 1."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (GradpsError, ValueError) as e:
-            raise click.ClickException(str(e)) from None
-
-    return wrapper
+    try:
+        validate(with_defaults(spec))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return spec
 
 
 @click.group(context_settings=_CONTEXT)
@@ -160,12 +162,12 @@ def cli() -> None:
     """gradps: a sharded parameter server for data-parallel training."""
 
 
-def _transport_option(fn):
+def _transport_option(fn, applies: str = "--local: "):
     return click.option(
         "--transport",
         type=click.Choice(TRANSPORTS),
         default="shm",
-        help="--local: where the workers' payloads travel: shm (shared memory), stream (data streams, as "
+        help=f"{applies}where the workers' payloads travel: shm (shared memory), stream (data streams, as "
         "between hosts), grpc (in the messages).",
     )(fn)
 
@@ -173,7 +175,7 @@ def _transport_option(fn):
 def _cluster_options(fn):
     fn = _transport_option(fn)
     fn = device_option("--local: where shards and workers compute (auto: CUDA when present).")(fn)
-    fn = click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1), help="--local: seconds.")(fn)
+    fn = click.option("--heartbeat-timeout", default=5.0, type=FiniteFloat(min=0.1), help="--local: seconds.")(fn)
     fn = click.option("--shards", default=2, type=click.IntRange(min=1), help="--local: shard processes.")(fn)
     fn = click.option("--local", is_flag=True, help="Start an embedded cluster of local processes.")(fn)
     fn = click.option("--coordinator", envvar="GRADPS_COORDINATOR", default=None, help="Coordinator HOST:PORT.")(fn)
@@ -195,8 +197,10 @@ def train(
 ) -> None:
     """Train one run and print its summary; writes summary.json and metrics.jsonl."""
     if local == bool(coordinator):
-        raise click.UsageError("give exactly one of --local or --coordinator HOST:PORT")
+        env = " (GRADPS_COORDINATOR is set)" if local and os.environ.get("GRADPS_COORDINATOR") else ""
+        raise click.UsageError(f"give exactly one of --local or --coordinator HOST:PORT{env}")
     spec = build_spec(scheme, workers, **options)
+    make_dir(out or Path("runs"))  # before a run is submitted that could not write its results
     if local:
         log_dir = Path("runs") / "local-logs" if out is None else out / "logs"
         with LocalCluster(shards, workers, heartbeat_timeout, log_dir, device, transport) as cluster:
@@ -210,6 +214,13 @@ def train(
 
 def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress: bool) -> dict:
     with Client(address) as client:
+        alive = sum(w.alive for w in client.cluster().workers)
+        if alive < spec.workers:
+            click.echo(
+                f"the cluster has {alive} live worker{'s' * (alive != 1)}; this run needs {spec.workers} and "
+                "waits until they join (Ctrl-C stops it)",
+                err=True,
+            )
         run_id = client.submit(spec)
         out_dir = out or Path("runs") / run_id
         summary = follow(client, run_id, out_dir, show_progress=not no_progress)
@@ -222,13 +233,16 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
 @click.option("--workers", default=2, type=click.IntRange(min=0), help="0: your own scripts are the workers.")
 @click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1))
 @device_option("Where shards and workers compute (auto: CUDA when present).")
-@_transport_option
+@functools.partial(_transport_option, applies="")
 @one_line_errors
 def up(shards: int, workers: int, heartbeat_timeout: float, device: str, transport: str) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
     log_dir = Path("runs") / "local-logs"
     with LocalCluster(shards, workers, heartbeat_timeout, log_dir, device, transport) as cluster:
-        click.echo(f"coordinator at {cluster.address}; {shards} shards, {workers} workers on {device}. Ctrl-C stops.")
+        click.echo(
+            f"coordinator at {cluster.address}; {_count(shards, 'shard')}, {_count(workers, 'worker')} on {device}. "
+            "Ctrl-C stops."
+        )
         click.echo(f"  gradps train --coordinator {cluster.address}")
         try:
             while True:
@@ -269,7 +283,9 @@ def runs(coordinator: str) -> None:
     """List the runs of a cluster."""
     with Client(coordinator) as client:
         all_runs = client.runs()
-    table = Table("run", "state", "scheme", "model", "workers", "steps", "test acc", "message")
+    table = Table("state", "scheme", "model", "workers", "steps", "test acc", "message")
+    # The id is what `stop` and `export` take: never cut, whatever the terminal's width.
+    table.columns.insert(0, Column("run", no_wrap=True, min_width=max((len(r.run_id) for r in all_runs), default=3)))
     for r in all_runs:
         accuracies = [m.test_accuracy for m in r.latest if m.test_accuracy >= 0]
         table.add_row(
@@ -298,7 +314,9 @@ def stop(run_id: str, coordinator: str) -> None:
 
 @cli.command(context_settings=_CONTEXT)
 @click.argument("run_id")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="File to write.")
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=output_file, help="File to write."
+)
 @_coordinator_option
 @one_line_errors
 def export(run_id: str, out: Path, coordinator: str) -> None:
@@ -307,7 +325,6 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
 
     with Client(coordinator) as client:
         state = client.export_state_dict(run_id)
-    out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out)
     click.echo(f"wrote {out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters")
 
@@ -316,7 +333,7 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
 @_cluster_options
 @click.option("--schemes", default=",".join(SCHEMES), help="Comma-separated schemes, run one after another.")
 @click.option("--workers", default=4, type=click.IntRange(min=1))
-@click.option("--target-accuracy", default=0.95, type=click.FloatRange(0, 1))
+@click.option("--target-accuracy", default=0.95, type=FiniteFloat(0, 1))
 @spec_options
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs") / "compare")
 @click.option("--no-progress", is_flag=True, help="No live progress bars.")
@@ -339,14 +356,22 @@ def compare(
     from client.compare import print_table, run_comparison, write_outputs
 
     names = [s.strip() for s in schemes.split(",") if s.strip()]
-    unknown = sorted(set(names) - set(SCHEMES))
-    if unknown or not names:
-        raise click.BadParameter(f"unknown scheme(s) {', '.join(unknown)}; choose from {', '.join(SCHEMES)}")
+    hint = "'--schemes'"
+    if not names:
+        raise click.BadParameter(f"expected one or more of {', '.join(SCHEMES)}", param_hint=hint)
+    if unknown := sorted(set(names) - set(SCHEMES)):
+        raise click.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(SCHEMES)}", param_hint=hint)
+    if len(set(names)) < len(names):
+        raise click.BadParameter(f"a scheme is named twice in {schemes!r}: each writes {out}/<scheme>", param_hint=hint)
     if coordinator and local:
         raise click.UsageError("give --local or --coordinator HOST:PORT, not both")
     specs = [build_spec(name, workers, **o) for name in names]
+    make_dir(out)
+    if coordinator:
+        with Client(coordinator) as client:
+            shards = len(client.cluster().shards)
     straggler = o.get("straggler")
-    title = f"{o['model']} on {o['dataset']}, {workers} workers, {shards} shards" + (
+    title = f"{o['model']} on {o['dataset']}, {_count(workers, 'worker')}, {_count(shards, 'shard')}" + (
         f", rank {straggler[0]} {straggler[1]:g}x slower" if straggler else ""
     )
     if coordinator:
@@ -359,7 +384,12 @@ def compare(
     click.echo(f"wrote {out / 'compare.json'}, {out / 'compare.csv'} and {out / 'compare.png'}", err=True)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def main() -> None:
+    stop_on_sigterm()
     cli(prog_name="gradps")
 
 

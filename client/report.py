@@ -10,7 +10,7 @@ from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from client.sdk import Client
+from client.sdk import Client, GradpsError
 from gradps.codecs import format_codec
 from gradps.v1 import coordinator_pb2 as cpb
 
@@ -80,37 +80,55 @@ def follow(client: Client, run_id: str, out_dir: Path, show_progress: bool = Tru
         open(out_dir / "metrics.jsonl", "w") as log,
         run_progress(console, disable=not show_progress) as progress,
     ):
-        task = progress.add_task(f"{run.spec.scheme} {run_id}", total=run.total_steps or None, stats="waiting")
+        waiting = f"waiting for {run.spec.workers} workers" if run.state == cpb.RUN_STATE_PENDING else "starting"
+        task = progress.add_task(f"{run.spec.scheme} {run_id}", total=run.total_steps or None, stats=waiting)
         accuracy = float("nan")
-        for event in client.watch(run_id):
-            run = event.run
-            if event.HasField("metrics"):
-                m = event.metrics
-                row = MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                if m.test_accuracy >= 0:
-                    accuracy = m.test_accuracy
-                    curve.append({"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy})
-                if m.done and m.test_accuracy >= 0:
-                    final = m
-            latest = list(run.latest)
-            if latest:
-                elapsed = max(m.elapsed_s for m in latest)
-                rate = sum(m.samples for m in latest) / elapsed if elapsed > 0 else 0.0
-                loss = sum(m.loss for m in latest) / len(latest)
-                progress.update(
-                    task,
-                    total=run.total_steps or None,
-                    completed=sum(m.step for m in latest) / len(latest),
-                    stats=f"loss {loss:.4f}  test acc {accuracy:.4f}  {rate:,.0f} samples/s",
-                )
-            if run.state in _ENDED:
-                break
+        try:
+            for event in client.watch(run_id):
+                run = event.run
+                if event.HasField("metrics"):
+                    m = event.metrics
+                    row = MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    if m.test_accuracy >= 0:
+                        accuracy = m.test_accuracy
+                        curve.append({"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy})
+                    if m.done and m.test_accuracy >= 0:
+                        final = m
+                latest = list(run.latest)
+                if latest:
+                    elapsed = max(m.elapsed_s for m in latest)
+                    rate = sum(m.samples for m in latest) / elapsed if elapsed > 0 else 0.0
+                    loss = sum(m.loss for m in latest) / len(latest)
+                    progress.update(
+                        task,
+                        total=run.total_steps or None,
+                        completed=sum(m.step for m in latest) / len(latest),
+                        stats=f"loss {loss:.4f}  test acc {accuracy:.4f}  {rate:,.0f} samples/s",
+                    )
+                elif run.state == cpb.RUN_STATE_RUNNING:
+                    progress.update(task, total=run.total_steps or None, stats="starting")
+                if run.state in _ENDED:
+                    break
+        except (KeyboardInterrupt, SystemExit):
+            _stop_interrupted(client, run_id)
+            raise
     summary = summarize(run, final, shards)
     summary["accuracy_curve"] = curve
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _stop_interrupted(client: Client, run_id: str) -> None:
+    """The user interrupted (Ctrl-C, SIGTERM: see client.usage) while following a run: stop it, as
+    a run nobody follows would go on holding the cluster's workers."""
+    console = Console(stderr=True)
+    try:
+        client.stop(run_id)
+        console.print(f"stopped run {run_id}")
+    except GradpsError as e:
+        console.print(f"run {run_id} may still be running: {e}")
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:

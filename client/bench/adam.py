@@ -8,18 +8,18 @@ moments: 28 bytes per float32 parameter; that minimum divided by the time is the
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from client.bench.options import json_option, write_json
+from client.usage import one_line_errors
 from gradps.device import device_option
 
 if TYPE_CHECKING:
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 # Bytes an update must move per float32 parameter: reads + writes.
 _TRAFFIC = {"adam": 28, "adamw": 28, "sgd": 12}
+# Bytes the bench holds per parameter at once: values and gradients, plus the optimizer's state.
+_HELD = {"adam": 16, "adamw": 16, "sgd": 8}
 
 
 @dataclass
@@ -51,6 +53,24 @@ class AdamRow:
     # as many floats as there are parameters (reads + writes counted).
     copy_gbps: float
     ratio_vs_copy: float
+
+
+def _check_fits(n_params: int, optimizer: str, device_name: str) -> None:
+    """A usage error, before anything is allocated, when the bench cannot fit in free memory."""
+    import torch
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        with open("/proc/meminfo") as f:
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    need = _HELD[optimizer] * n_params
+    if free is not None and need > free:
+        raise click.BadParameter(
+            f"{n_params:,} parameters need {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB free on {device}",
+            param_hint="'--params'",
+        )
 
 
 def _sync(device):
@@ -165,11 +185,12 @@ def print_rows(rows: list[AdamRow], console: Console) -> None:
 @device_option("Where the update runs (auto: CUDA when present).")
 @click.option("--optimizer", default="adam", type=click.Choice(sorted(_TRAFFIC)))
 @click.option("--steps", default=5, type=click.IntRange(min=1), help="Timed updates (median reported).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
+@json_option()
+@one_line_errors
 def adam(n_params, part_mib, device, optimizer, steps, json_path) -> None:
     """The shard's optimizer update in GB/s of memory traffic, beside a copy of the same memory."""
+    _check_fits(n_params, optimizer, device)
     rows = measure_adam(n_params, part_mib, device, optimizer, steps, ["shard", "per-part"])
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        write_json(json_path, [asdict(r) for r in rows], Console(stderr=True))

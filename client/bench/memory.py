@@ -10,18 +10,17 @@ the shared resident set read after the last round is the one that was there at t
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.options import parse_choices, parse_counts, transport_option
+from client.bench.options import json_option, parse_choices, parse_counts, transport_option, write_json
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
+from client.usage import one_line_errors
 
 MiB = 1 << 20
 PART_SIZE = 4 * MiB
@@ -153,7 +152,8 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
     help="push_pull (asgd) and/or sync_step (sync).",
 )
 @transport_option()
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
+@json_option()
+@one_line_errors
 def memory(size_mib, worker_counts, opt_names, op_names, transports, json_path) -> None:
     """Shard peak memory vs params + optimizer state + one in-flight push per worker."""
     console = Console(stderr=True)
@@ -167,6 +167,4 @@ def memory(size_mib, worker_counts, opt_names, op_names, transports, json_path) 
     ]
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-        console.log(f"wrote {json_path}")
+        write_json(json_path, [asdict(r) for r in rows], console)

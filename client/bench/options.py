@@ -1,12 +1,16 @@
-"""The benches' comma-separated list options, parsed and checked by click callbacks: a bad value
-is a one-line usage error before anything starts."""
+"""The benches' shared options, parsed and checked by click callbacks: a bad value is a one-line
+usage error before anything starts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import click
+from rich.console import Console
 
+from client.usage import output_file
 from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
 
@@ -74,3 +78,16 @@ def transport_option(choices: Sequence[str] = TRANSPORTS) -> Callable:
     return click.option(
         "--transport", "transports", default=",".join(TRANSPORTS), callback=parse_choices(choices), help=text
     )
+
+
+def json_option(help: str = "Write the rows here.") -> Callable:  # noqa: A002 (click's name)
+    """`--json FILE`, given to the command as `json_path`; its folder is made and checked first."""
+    return click.option(
+        "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file, help=help
+    )
+
+
+def write_json(path: Path, data: object, console: Console) -> None:
+    """Write a bench's result (dataclasses as dicts) where `--json` names."""
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    console.log(f"wrote {path}")

@@ -3,7 +3,6 @@ of the exchange with the shards, and how much of the communication overlapped co
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -11,18 +10,20 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from client.bench.options import json_option, write_json
 from client.local_cluster import LocalCluster
 from client.sdk import Client
+from client.usage import one_line_errors
 from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
 from gradps.device import device_option
 from gradps.v1 import run_pb2
+from ps_server.schemes import RULES
 
 # Per-step fields, in seconds, that a worker reports (see StepBreakdown).
 _FIELDS = (
@@ -257,7 +258,7 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default="resnet18", help="mlp, cnn, resnet18, transformer or package.module:function.")
 @click.option("--dataset", default="synthetic-images", help="digits, synthetic-images, synthetic-tokens, ...")
-@click.option("--scheme", default="asgd", help="Consistency scheme.")
+@click.option("--scheme", default="asgd", type=click.Choice(list(RULES)), help="Consistency scheme.")
 @click.option("--workers", default=2, type=click.IntRange(min=1))
 @click.option("--shards", default=2, type=click.IntRange(min=1))
 @click.option("--batch-size", default=32, type=click.IntRange(min=1))
@@ -272,7 +273,8 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
     help="Where payloads travel: shm (shared memory), stream (raw TCP data streams, as between hosts), "
     "grpc (in the messages).",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the result here.")
+@json_option("Write the result here.")
+@one_line_errors
 def step(
     model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, transport, json_path
 ) -> None:
@@ -287,6 +289,4 @@ def step(
     )
     print_breakdown(b, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(asdict(b), indent=2) + "\n")
-        console.log(f"wrote {json_path}")
+        write_json(json_path, asdict(b), console)

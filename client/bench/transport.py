@@ -4,7 +4,6 @@ raw loopback TCP and torch gloo all_reduce of the same bytes, measured in one in
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 import sys
@@ -16,11 +15,20 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.options import COLOCATED, parse_codecs, parse_counts, parse_list, transport_option
+from client.bench.options import (
+    COLOCATED,
+    json_option,
+    parse_codecs,
+    parse_counts,
+    parse_list,
+    transport_option,
+    write_json,
+)
 from client.bench.plot import check_path, plot_transport
 from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
+from client.usage import one_line_errors, output_file
 from gpu_worker.ps_client import TRANSPORTS
 from gradps.device import device_option
 
@@ -204,13 +212,13 @@ def print_rows(rows: list[Row], console: Console) -> None:
 
 
 def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
-    """--plot, checked before the bench starts."""
+    """--plot, checked before the bench starts: a format matplotlib writes, in a folder we can."""
     if path is not None:
         try:
             check_path(path)
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
-    return path
+    return output_file(ctx, param, path)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -225,7 +233,7 @@ def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) ->
     "--round-mib", default=ROUND_MIB, type=click.FloatRange(min=0, min_open=True), help="Least MiB a round moves."
 )
 @device_option("Where the workers' tensors and the shards' parts live.", default="cpu")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows here.")
+@json_option()
 @click.option(
     "--plot",
     "plot_path",
@@ -233,6 +241,7 @@ def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) ->
     callback=_plot_path,
     help="Draw the rows against the targets here (.png, .svg or .pdf).",
 )
+@one_line_errors
 def transport(
     sizes, shards_list, workers_list, codecs, transports, rounds, part_size, round_mib, device, json_path, plot_path
 ) -> None:
@@ -254,9 +263,7 @@ def transport(
     )
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-        console.log(f"wrote {json_path}")
+        write_json(json_path, [asdict(r) for r in rows], console)
     if plot_path:
         plot_transport([asdict(r) for r in rows], plot_path)
         console.log(f"wrote {plot_path}")

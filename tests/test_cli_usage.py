@@ -1,0 +1,133 @@
+"""The CLI refuses bad input up front, in one line, and an interrupted command leaves nothing running:
+no embedded-cluster process, no run holding the cluster's workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from client.cli import cli
+from client.sdk import Client
+from gradps.v1 import coordinator_pb2 as cpb
+
+
+def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    a_file = tmp / "a-file"
+    a_file.write_text("")
+    return [
+        (["train", "--local", "--schedule", "step"], "the step schedule needs step_size >= 1"),
+        (["train", "--local", "--pull-codec", "int8"], "pull codec must be none, fp16 or bf16"),
+        (["train", "--local", "--momentum", "nan"], "'nan' is not a finite number"),
+        (["train", "--local", "--lr", "inf"], "'inf' is not a finite number"),
+        (["train", "--local", "--straggler", "1:inf"], "factor a finite number >= 1"),
+        (["train", "--local", "--out", str(a_file / "run")], f"cannot create folder {a_file / 'run'}"),
+        (["export", "RUN", "--out", str(a_file / "model.pt")], f"cannot create folder {a_file}"),
+        (["compare", "--schemes", "sync,sync"], "a scheme is named twice"),
+        (["compare", "--schemes", ","], "expected one or more of sync, asgd"),
+        (["bench", "transport", "--json", str(a_file / "rows.json")], f"cannot create folder {a_file}"),
+        (["bench", "transport", "--plot", str(a_file / "rows.png")], f"cannot create folder {a_file}"),
+        (["bench", "memory", "--json", str(tmp)], "is a directory"),
+        (["bench", "adam", "--params", str(10**15)], "GiB free on cpu"),
+        (["bench", "step", "--scheme", "bogus"], "'bogus' is not one of"),
+    ]
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path):
+    runner = CliRunner()
+    with runner.isolated_filesystem(temp_dir=tmp_path) as cwd:
+        for args, words in _usage_cases(tmp_path):
+            start = time.monotonic()
+            result = runner.invoke(cli, args, env={"GRADPS_COORDINATOR": None})
+            assert result.exit_code in (1, 2), (args, result.output)
+            assert words in result.output, (args, result.output)
+            assert "Traceback" not in result.output, (args, result.output)
+            # Refused up front: no cluster was started (that alone takes seconds).
+            assert time.monotonic() - start < 3, (args, time.monotonic() - start)
+        assert not (Path(cwd) / "runs").exists()
+
+
+def test_local_and_a_coordinator_from_the_environment_is_explained():
+    result = CliRunner().invoke(cli, ["train", "--local"], env={"GRADPS_COORDINATOR": "127.0.0.1:1"})
+    assert result.exit_code == 2
+    assert "(GRADPS_COORDINATOR is set)" in result.output
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def _gradps(*args: str, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "client.cli", *args, "--steps", "100000", "--no-progress", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "GRADPS_COORDINATOR"},
+    )
+
+
+def _metrics_started(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and metrics.stat().st_size > 0
+
+
+def test_sigterm_stops_the_embedded_cluster(tmp_path):
+    cli_process = _gradps("train", "--local", out=tmp_path)
+    try:
+        _until(lambda: _metrics_started(tmp_path), 120, "the local run did not start")
+        services = _children(cli_process.pid)
+        assert len(services) >= 5, services  # coordinator, 2 shards, 2 workers
+        cli_process.send_signal(signal.SIGTERM)
+        _, stderr = cli_process.communicate(timeout=60)
+        assert cli_process.returncode != 0
+        assert "Traceback" not in stderr, stderr[-2000:]
+        _until(lambda: not any(_alive(pid) for pid in services), 30, f"services left running: {services}")
+    finally:
+        if cli_process.poll() is None:
+            cli_process.kill()
+
+
+@pytest.mark.parametrize("interrupt", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_train_stops_its_run(cluster, client: Client, tmp_path, interrupt):
+    cli_process = _gradps("train", "--coordinator", cluster.address, out=tmp_path)
+    try:
+        _until(lambda: _metrics_started(tmp_path), 60, "the run did not start")
+        cli_process.send_signal(interrupt)
+        _, stderr = cli_process.communicate(timeout=60)
+        assert cli_process.returncode != 0
+        assert "stopped run" in stderr, stderr[-2000:]
+        run = next(r for r in client.runs() if r.state != cpb.RUN_STATE_COMPLETED and r.run_id in stderr)
+        assert run.state == cpb.RUN_STATE_STOPPED, run
+    finally:
+        if cli_process.poll() is None:
+            cli_process.kill()
