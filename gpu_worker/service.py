@@ -16,6 +16,7 @@ import torch
 from gpu_worker.ps_client import TRANSPORTS
 from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
 from gpu_worker.trainer import Trainer
+from gradps.channel import log_level_option
 from gradps.datasets import ShardSampler, load_dataset
 from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
@@ -112,7 +113,7 @@ def serve(
     coordinator: str, device: torch.device, name: str | None, stop: threading.Event, transport: str = "shm"
 ) -> None:
     """Join and train assignments until `stop` is set."""
-    session = WorkerSession(coordinator, name=name, device=str(device))
+    session = WorkerSession(coordinator, name=name, device=str(device), stop=stop)
     lost = False
     try:
         while not stop.is_set():
@@ -153,7 +154,9 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
 @click.option("--coordinator", envvar="GRADPS_COORDINATOR", required=True, help="Coordinator HOST:PORT.")
 @device_option("Where the model trains (auto: CUDA when present).", envvar="GRADPS_DEVICE")
 @click.option("--name", envvar="GRADPS_WORKER_NAME", default=None, help="Name shown in `gradps status`.")
-@click.option("--threads", envvar="GRADPS_THREADS", default=1, type=int, help="torch intra-op threads.")
+@click.option(
+    "--threads", envvar="GRADPS_THREADS", default=1, type=click.IntRange(min=1), help="torch intra-op threads."
+)
 @click.option(
     "--transport",
     envvar="GRADPS_TRANSPORT",
@@ -162,11 +165,11 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
     help="Where payloads travel: shm (shared memory with shards on this host, a data stream to others), "
     "stream (a data stream to every shard: raw TCP beside gRPC), grpc (in the gRPC messages).",
 )
-@click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
+@log_level_option
 def main(coordinator: str, device: str, name: str | None, threads: int, transport: str, log_level: str) -> None:
     """gradps worker: joins the coordinator and trains the runs assigned to it."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
-    torch.set_num_threads(max(1, threads))
+    torch.set_num_threads(threads)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -37,8 +37,18 @@ class Assignment:
 class WorkerSession:
     """Joins the coordinator and keeps heartbeating from a background thread."""
 
-    def __init__(self, coordinator: str, name: str | None = None, device: str = "cpu", join_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        coordinator: str,
+        name: str | None = None,
+        device: str = "cpu",
+        join_timeout_s: float = 60.0,
+        stop: threading.Event | None = None,
+    ):
+        """Join now, retrying for up to `join_timeout_s` while the coordinator starts; setting
+        `stop` (the service's SIGTERM) gives up at once. ConnectionError if it never answers."""
         self.coordinator = coordinator
+        self._stop_join = stop or threading.Event()
         self.name = name or socket.gethostname()
         self.device = device
         self._channel = open_channel(coordinator)
@@ -52,6 +62,7 @@ class WorkerSession:
 
     def _join(self, timeout_s: float) -> tuple[int, int]:
         deadline = time.monotonic() + timeout_s
+        warned = False
         while True:
             try:
                 r = self._stub.JoinWorker(cpb.JoinWorkerRequest(name=self.name, device=self.device), timeout=5)
@@ -60,7 +71,11 @@ class WorkerSession:
             except grpc.RpcError as e:
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"cannot reach coordinator at {self.coordinator}: {e.details()}") from None
-                time.sleep(0.5)
+                if not warned:  # say why nothing happens yet
+                    _LOGGER.warning("coordinator %s: %s; retrying %.0f s", self.coordinator, e.code().name, timeout_s)
+                    warned = True
+            if self._stop_join.wait(0.5):
+                raise ConnectionError(f"stopped before joining the coordinator at {self.coordinator}")
 
     def _beat(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):

@@ -7,8 +7,10 @@ import ctypes.util
 import os
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
+import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -85,10 +87,13 @@ def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthSe
 
 
 def bind(server: grpc.Server, port: int) -> int:
-    """Bind `[::]:port` (0 picks a free port) and return the bound port."""
-    bound = server.add_insecure_port(f"[::]:{port}")
+    """Bind `[::]:port` (0 picks a free port) and return the bound port; OSError if it cannot."""
+    try:
+        bound = server.add_insecure_port(f"[::]:{port}")
+    except RuntimeError:  # grpcio >= 1.5x raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind port {port}")
+        raise OSError(f"cannot bind port {port}: in use, or not permitted")
     return bound
 
 
@@ -100,6 +105,41 @@ def write_port_file(path: str | None, port: int) -> None:
     with open(tmp, "w") as f:
         f.write(str(port))
     os.replace(tmp, path)
+
+
+def port_option(default: int) -> Callable:
+    """A service's `--port` (GRADPS_PORT): a TCP port, 0 for any free one."""
+    return click.option(
+        "--port",
+        envvar="GRADPS_PORT",
+        default=default,
+        type=click.IntRange(0, 65535),
+        help="Port to bind on [::] (0: any free).",
+    )
+
+
+def _port_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    folder = os.path.dirname(path or "") or "."
+    if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise click.BadParameter(f"cannot write a file in {folder}", ctx, param)
+    return path
+
+
+def port_file_option(fn: Callable) -> Callable:
+    """A service's `--port-file` (GRADPS_PORT_FILE), its folder checked before the service starts."""
+    return click.option(
+        "--port-file", envvar="GRADPS_PORT_FILE", default=None, callback=_port_file, help="Write the bound port here."
+    )(fn)
+
+
+def log_level_option(fn: Callable) -> Callable:
+    """A service's `--log-level` (GRADPS_LOG_LEVEL)."""
+    return click.option(
+        "--log-level",
+        envvar="GRADPS_LOG_LEVEL",
+        default="INFO",
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    )(fn)
 
 
 def serve_until_signal(server: grpc.Server) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -14,7 +15,17 @@ import click
 import grpc
 
 from gradps import wire
-from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
+from gradps.channel import (
+    add_health,
+    bind,
+    log_level_option,
+    make_server,
+    open_channel,
+    port_file_option,
+    port_option,
+    serve_until_signal,
+    write_port_file,
+)
 from gradps.placement import place
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
@@ -28,6 +39,12 @@ _KEEP_ENDED_RUNS = 8
 _EXPORT_WAIT_MS = 10_000
 # ... and the worker id its pulls carry: no worker's (DC-ASGD remembers what each worker pulled).
 _EXPORTER_ID = 2**32 - 1
+# GetAssignment: the wait when wait_ms is 0, and the longest; a worker polls again after an
+# empty answer, so a longer wait would only pin a server thread.
+_DEFAULT_ASSIGNMENT_WAIT_S = 10.0
+_MAX_ASSIGNMENT_WAIT_S = 60.0
+# ... which wakes this often to notice a caller that went away (cancelled, or past its deadline).
+_WAIT_SLICE_S = 0.5
 
 
 @dataclass
@@ -161,8 +178,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     # ---- shards and workers -------------------------------------------------------------------
 
     def RegisterShard(self, request, context):
-        if not request.address or ":" not in request.address:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard address must be HOST:PORT, got {request.address!r}")
+        why = _address_problem(request.address)
+        if why:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"shard address must be HOST:PORT or [IPV6]:PORT, got {request.address[:100]!r}: {why}",
+            )
         with self._cond:
             for index, (address, _) in enumerate(self._shards):
                 if address == request.address:
@@ -193,7 +214,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return cpb.HeartbeatResponse(stop=stop)
 
     def GetAssignment(self, request, context):
-        wait_s = request.wait_ms / 1000 if request.wait_ms else 10.0
+        wait_s = min(request.wait_ms / 1000, _MAX_ASSIGNMENT_WAIT_S) if request.wait_ms else _DEFAULT_ASSIGNMENT_WAIT_S
+        deadline = time.monotonic() + wait_s
         with self._cond:
             if request.worker_id not in self._workers:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}; join first")
@@ -202,9 +224,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 w = self._workers[request.worker_id]
                 return bool(w.run_id) or not w.alive
 
-            self._cond.wait_for(assigned, timeout=wait_s)
+            # In slices: a caller that gave up (cancelled, or past its own deadline) frees the thread.
+            while not assigned() and context.is_active():
+                remaining = context.time_remaining()
+                left = min(deadline - time.monotonic(), math.inf if remaining is None else remaining)
+                if left <= 0:
+                    break
+                self._cond.wait_for(assigned, timeout=min(left, _WAIT_SLICE_S))
             worker = self._workers[request.worker_id]
-            if not worker.run_id:
+            if not worker.run_id or not context.is_active():
                 return cpb.GetAssignmentResponse()
             status = self._runs[worker.run_id].status
             return cpb.GetAssignmentResponse(
@@ -212,11 +240,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 spec=status.spec,
                 rank=list(status.workers).index(worker.worker_id),
                 workers=status.workers,
+                # Known from the spec, or once the first worker resolved epochs (GetPlacement).
+                total_steps=status.total_steps or status.spec.steps,
             )
 
     def GetPlacement(self, request, context):
         with self._cond:
             record = self._record(request.run_id, context)
+            if record.status.state != cpb.RUN_STATE_RUNNING:
+                # Shards opened for a pending run know none of its workers (and refuse their
+                # pushes); an ended run has none left to serve.
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"run {request.run_id} is {cpb.RunState.Name(record.status.state)}; "
+                    "its placement is made once it runs, by its workers",
+                )
             shards = [address for address, _ in self._shards]
         with record.placement_lock:
             if record.placement is None:
@@ -395,6 +433,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 self._cond.notify_all()
 
 
+def _address_problem(address: str) -> str:
+    """Why `address` is not a shard's HOST:PORT or [IPV6]:PORT; empty when it is one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        return "no host"
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            return "unclosed or empty [IPv6] host"
+    elif any(c in host for c in ":[]"):
+        return "an IPv6 host goes in brackets"
+    if any(c.isspace() or not c.isprintable() for c in host):
+        return "the host has blanks or control characters"
+    if not (port.isascii() and port.isdigit() and len(port) <= 5) or not 1 <= int(port) <= 65535:
+        return "the port must be a number in [1, 65535]"
+    return ""
+
+
 def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
     """Reject unknown built-in names early; import paths are resolved by the workers."""
     from gradps.datasets import builtin_dataset_names
@@ -412,7 +467,7 @@ def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--port", envvar="GRADPS_PORT", default=50051, type=int, help="Port to bind on [::] (0: any free).")
+@port_option(50051)
 @click.option(
     "--heartbeat-timeout",
     envvar="GRADPS_HEARTBEAT_TIMEOUT",
@@ -420,8 +475,8 @@ def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
     type=click.FloatRange(min=0.1),
     help="Seconds without a heartbeat before a worker is declared dead.",
 )
-@click.option("--port-file", envvar="GRADPS_PORT_FILE", default=None, help="Write the bound port here.")
-@click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
+@port_file_option
+@log_level_option
 def main(port: int, heartbeat_timeout: float, port_file: str | None, log_level: str) -> None:
     """gradps coordinator: runs, worker membership, placement table and metrics."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s coordinator %(levelname)s %(message)s")
@@ -429,7 +484,10 @@ def main(port: int, heartbeat_timeout: float, port_file: str | None, log_level: 
     servicer = CoordinatorServicer(heartbeat_timeout)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     add_health(server, ["gradps.v1.CoordinatorService"])
-    bound = bind(server, port)
+    try:
+        bound = bind(server, port)
+    except OSError as e:
+        raise click.UsageError(f"--port {port}: {e}") from None
     server.start()
     write_port_file(port_file, bound)
     _LOGGER.info("coordinator serving on port %d", bound)

@@ -15,18 +15,28 @@ SCHEDULES = ("constant", "step", "cosine")
 
 
 def validate(spec: run_pb2.OptimizerSpec) -> None:
-    """Raise ValueError with an actionable message for a bad optimizer spec."""
+    """Raise ValueError with a one-line, actionable message for a bad optimizer spec.
+
+    Unset (0) beta1, beta2 and eps mean torch's defaults (see `make_optimizer`); every number must
+    be finite: a NaN or infinity would reach the shards' parameters on the first update.
+    """
     if spec.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {spec.name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if not spec.lr > 0 or not math.isfinite(spec.lr):
+    if not 0 < spec.lr < math.inf:  # also false for NaN
         raise ValueError(f"learning rate must be a positive number, got {spec.lr}")
     if spec.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {spec.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    for name in ("momentum", "weight_decay", "eps"):  # eps 0: the default
+        if not 0 <= getattr(spec, name) < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {getattr(spec, name)}")
     if spec.nesterov and spec.momentum <= 0:
         raise ValueError("nesterov needs momentum > 0")
-    if spec.momentum < 0 or spec.weight_decay < 0:
-        raise ValueError("momentum and weight decay must be >= 0")
-    if spec.schedule == "step" and (spec.step_size == 0 or not 0 < spec.gamma <= 1):
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(spec, name) < 1:
+            raise ValueError(f"{name} must be in [0, 1) (0: the default), got {getattr(spec, name)}")
+    if not 0 <= spec.gamma <= 1:
+        raise ValueError(f"gamma must be in [0, 1], got {spec.gamma}")
+    if spec.schedule == "step" and (spec.step_size == 0 or spec.gamma == 0):
         raise ValueError("the step schedule needs step_size >= 1 and gamma in (0, 1]")
 
 

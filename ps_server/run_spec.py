@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import math
 
+from gradps.channel import MAX_PART_BYTES
+from gradps.codecs import CodecError, get_codec
 from gradps.v1 import run_pb2, tensor_pb2
 from ps_server.optimizer import validate as validate_optimizer
 from ps_server.schemes import RULES
+
+# Workers of one run. Runs start first come, first served (gang scheduling), so a run that asks
+# for more workers than can ever join holds up every later run until it is stopped; this bound
+# only refuses the absurd (membership lists of every shard and worker grow with it).
+MAX_WORKERS = 4096
+# Steps per worker (about 10^12): far beyond any run, and within every uint64 step counter.
+MAX_STEPS = 2**40
+# Passes over the data: steps derived from epochs (workers resolve them) stay within uint64.
+MAX_EPOCHS = 1e6
 
 
 def with_defaults(spec: run_pb2.RunSpec) -> run_pb2.RunSpec:
@@ -39,23 +50,40 @@ def with_defaults(spec: run_pb2.RunSpec) -> run_pb2.RunSpec:
 
 
 def validate(spec: run_pb2.RunSpec) -> None:
-    """Raise ValueError with a one-line, actionable message for a bad spec (defaults applied)."""
+    """Raise ValueError with a one-line, actionable message for a bad spec (defaults applied).
+
+    Every field is checked, whichever scheme reads it: a spec the coordinator accepts must not
+    fail later on a shard or a worker, nor wait for workers that can never join.
+    """
     if spec.scheme not in RULES:
         raise ValueError(f"unknown scheme {spec.scheme!r}; choose one of {', '.join(sorted(RULES))}")
     validate_optimizer(spec.optimizer)
-    if spec.workers < 1:
-        raise ValueError("workers must be >= 1")
+    if not 1 <= spec.workers <= MAX_WORKERS:
+        raise ValueError(f"workers must be in [1, {MAX_WORKERS}], got {spec.workers}")
     if spec.batch_size < 1:
         raise ValueError("batch_size must be >= 1")
-    if spec.epochs < 0 or not math.isfinite(spec.epochs):
-        raise ValueError(f"epochs must be a non-negative number, got {spec.epochs}")
-    if not 0 < spec.part_size <= 64 * 1024 * 1024:
+    if spec.steps > MAX_STEPS:
+        raise ValueError(f"steps must be at most {MAX_STEPS}, got {spec.steps}")
+    if not 0 <= spec.epochs <= MAX_EPOCHS:  # also false for NaN
+        raise ValueError(f"epochs must be a number in [0, {MAX_EPOCHS:g}], got {spec.epochs}")
+    if not 0 < spec.part_size <= MAX_PART_BYTES:
         raise ValueError(f"part_size must be in (0, 64 MiB], got {spec.part_size}")
+    for field, params in (("codec", spec.codec), ("pull_codec", spec.pull_codec)):
+        try:
+            get_codec(params)  # the registry's own check, as on every pushed or pulled part
+        except CodecError as e:
+            raise ValueError(f"{field}: {e}") from None
     if spec.pull_codec.codec not in (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16):
         raise ValueError("pull codec must be none, fp16 or bf16")
     if not 0 <= spec.jitter <= 1:
         raise ValueError(f"jitter must be a probability in [0, 1], got {spec.jitter}")
+    if not 0 <= spec.straggler_factor < math.inf:
+        raise ValueError(f"straggler_factor must be a finite number >= 0, got {spec.straggler_factor}")
     if spec.straggler_factor > 1 and spec.straggler_rank >= spec.workers:
         raise ValueError(f"straggler rank {spec.straggler_rank} is not below workers={spec.workers}")
-    if spec.codec.codec in (tensor_pb2.CODEC_TOPK, tensor_pb2.CODEC_RANDK) and not 0 < spec.codec.ratio <= 1:
-        raise ValueError(f"codec ratio must be in (0, 1], got {spec.codec.ratio}")
+    sp = spec.scheme_params
+    if not 0 <= sp.dc_lambda < math.inf:
+        raise ValueError(f"dc_lambda must be a finite number >= 0, got {sp.dc_lambda}")
+    for name in ("alpha", "alpha_min"):  # 0: the default
+        if not 0 <= getattr(sp, name) <= 1:
+            raise ValueError(f"{name} must be in (0, 1] (0: the default), got {getattr(sp, name)}")

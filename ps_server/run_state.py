@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,20 @@ class PushRejected(Exception):
     """A push that is well-formed but not acceptable now (e.g. a step ahead of the shard)."""
 
 
+class CallEnded(Exception):
+    """The call a shard was waiting for went away: its client cancelled it or its deadline passed."""
+
+    def __init__(self, message: str, deadline: bool) -> None:
+        super().__init__(message)
+        # True: the deadline passed (DEADLINE_EXCEEDED); False: the client cancelled (CANCELLED).
+        self.deadline = deadline
+
+
+# How a waiting handler waits: wait(ready, timeout_s) is True once ready() is, False after timeout_s;
+# it raises CallEnded when the call goes first (see ShardServicer's _waiter).
+Wait = Callable[[Callable[[], bool], float], bool]
+
+
 @dataclass
 class RunState:
     """A run on one shard. `cond` guards everything; readers wait on it for new versions."""
@@ -59,6 +74,8 @@ class RunState:
     parts: dict[PartKey, Part]
     # Updates the parts' values; its state (momentum, moments) is the run's optimizer state.
     optimizer: ShardOptimizer
+    # Every worker of the run (OpenRun); the live ones are a subset.
+    workers: frozenset[int]
     live_workers: set[int]
     membership_epoch: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -92,6 +109,7 @@ class RunState:
             optimizer=ShardOptimizer(
                 {key: part.values for key, part in parts.items()}, request.spec.optimizer, request.total_steps
             ),
+            workers=frozenset(request.workers),
             live_workers=set(request.workers),
         )
 
@@ -111,6 +129,7 @@ class RunState:
     def close(self) -> None:
         """The run ends on this shard: its data streams close, its segments go with the state."""
         self.closed = True
+        self.cond.notify_all()  # waiting pulls and rounds end now, not at their timeout
         self.segments = {}
         for stream in self.streams.values():
             stream.close()

@@ -16,12 +16,25 @@ import torch
 from google.protobuf.message import DecodeError
 
 from gradps import wire
-from gradps.channel import add_health, bind, make_server, open_channel, serve_until_signal, write_port_file
+from gradps.channel import (
+    MAX_PART_BYTES,
+    add_health,
+    bind,
+    log_level_option,
+    make_server,
+    open_channel,
+    port_file_option,
+    port_option,
+    serve_until_signal,
+    write_port_file,
+)
 from gradps.codecs import (
     CodecError,
     decode_part,
     decode_summand,
     encode_part,
+    format_codec,
+    get_codec,
     is_plain,
     max_wire_bytes,
     plain_payload,
@@ -30,12 +43,19 @@ from gradps.codecs.base import require_finite
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
 from gradps.device import device_option
 from gradps.shared_memory import RegionWriter, Segment, SegmentError, check_name
-from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
-from ps_server.run_state import Part, PartKey, Push, PushRejected, RunState
+from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
+from ps_server.optimizer import validate as validate_optimizer
+from ps_server.run_state import CallEnded, Part, PartKey, Push, PushRejected, RunState, Wait
 from ps_server.schemes import RULES, ShardRule
 
 _LOGGER = logging.getLogger("gradps.shard")
 _DEFAULT_WAIT_S = 60.0
+# The longest a pull waits when it asks for longer (PullRequest.wait_ms), and the slices in which
+# a waiting call checks that its client is still there and its deadline not passed.
+_MAX_WAIT_S = 600.0
+_WAIT_SLICE_S = 0.25
+# The most values one part may hold: a part's float32 values within the part size limit.
+_MAX_PART_COUNT = MAX_PART_BYTES // 4
 _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 # PushRequest.part, PullResponse.part, RegisterTensorsRequest.part and GroupAverageResponse.part
 # (gradps/v1/shard.proto).
@@ -85,13 +105,34 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return found
 
     def OpenRun(self, request, context):
-        if request.spec.scheme not in RULES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown scheme {request.spec.scheme!r}")
-        run = RunState.open(request, self.device)
+        problem = _open_run_problem(request)
+        if problem is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         with self._lock:
-            if request.run_id not in self._runs:
-                self._runs[request.run_id] = (run, RULES[request.spec.scheme](run))
-        _LOGGER.info("run %s: %d parts, %d bytes", request.run_id, len(run.parts), run.param_bytes())
+            found = self._runs.get(request.run_id)
+        if found is None:
+            try:
+                run = RunState.open(request, self.device)
+                rule = RULES[request.spec.scheme](run)
+            except ValueError as e:  # what torch's optimizers refuse (betas, eps out of range)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"run {request.run_id!r}: {_one_line(e)}")
+            except (RuntimeError, MemoryError) as e:  # the parts do not fit the device
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"run {request.run_id!r}: cannot allocate its parts: {_one_line(e)}",
+                )
+            with self._lock:
+                found = self._runs.setdefault(request.run_id, (run, rule))
+            if found[0] is run:
+                _LOGGER.info("run %s: %d parts, %d bytes", request.run_id, len(run.parts), run.param_bytes())
+                return shard_pb2.OpenRunResponse()
+        # Opened before: a retry is answered again; anything else would be silently ignored.
+        if not _opened_by(found[0], request):
+            context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"run {request.run_id!r} is already open on this shard with another spec, placement or "
+                "workers; close it first",
+            )
         return shard_pb2.OpenRunResponse()
 
     def CloseRun(self, request, context):
@@ -104,6 +145,19 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def SetMembership(self, request, context):
         run, rule = self._run(request.run_id, context)
+        strangers = sorted(set(request.live_workers) - run.workers)
+        if strangers:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"workers {strangers} are not workers of run {request.run_id!r}"
+            )
+        # The coordinator counts one epoch per worker that leaves (the live set only shrinks): a
+        # run of N workers has at most N. A larger one would lock every later change out.
+        if request.epoch > len(run.workers):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"membership epoch {request.epoch} is beyond the {len(run.workers)} changes a run of "
+                f"{len(run.workers)} workers can have",
+            )
         with run.cond:
             if request.epoch > run.membership_epoch:
                 run.membership_epoch = request.epoch
@@ -127,6 +181,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             elif request.run_id != run.run_id:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one RegisterTensors call per run")
             part = self._part(run, msg, context)
+            if not is_plain(msg.codec):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"part {msg.name}/{msg.index}: initial values travel with codec none, not {_codec_name(msg.codec)}",
+                )
             try:
                 values = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
             except CodecError as e:
@@ -152,6 +211,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         run, rule = self._run(request.run_id, context)
         if request.codec.codec not in _PULL_CODECS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pull codec must be none, fp16 or bf16")
+        try:
+            get_codec(request.codec)  # its parameters, as a push's are checked
+        except CodecError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pull codec: {e}")
         if request.parts:
             parts = []
             for ref in request.parts:
@@ -161,7 +224,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 parts.append(part)
         else:
             parts = list(run.parts.values())
-        wait_s = request.wait_ms / 1000 if request.wait_ms else _DEFAULT_WAIT_S
+        wait_s = min(request.wait_ms / 1000, _MAX_WAIT_S) if request.wait_ms else _DEFAULT_WAIT_S
         raw = getattr(self, "raw_bulk", False)  # registered raw (add_shard_servicer): yield bytes
         into = self._writer(run, request, context) if request.HasField("into") else None  # checked before any wait
         stream = self._stream(run, request.worker_id, request.stream, context) if request.HasField("stream") else None
@@ -175,19 +238,19 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         # by hand, or on the worker's data stream after its message.
         snapshot: list[tuple[Part, tuple[tensor_pb2.TensorPart, wire.Buffer] | None]] = []
         with run.cond:
+            waiting = f"parts not ready (version {request.min_version}, clock {request.clock})"
             try:
-                if not run.cond.wait_for(lambda: rule.pull_ready(parts, request), timeout=wait_s):
-                    context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"parts not ready (version {request.min_version}, clock {request.clock}) after {wait_s:.1f}s",
-                    )
+                if not _waiter(run, context)(lambda: rule.pull_ready(parts, request), wait_s):
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{waiting} after {wait_s:.1f}s")
             except PushRejected as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            rule.on_pull(request.worker_id, parts)
+            except CallEnded as e:
+                context.abort(_ended_code(e), f"{waiting}: {e}")
             for p in parts:
                 values = rule.pull_values(p, request)
                 live = values.data_ptr() == p.values.data_ptr()  # the weights themselves, not a copy
-                snapshot.append((p, None if live else _pull_part(p, values, request.codec, into)))
+                snapshot.append((p, None if live else _pulled(p, values, request.codec, into, context)))
+            rule.on_pull(request.worker_id, parts)
 
         def replies() -> Iterator[tuple[tensor_pb2.TensorPart, wire.Buffer]]:
             for p, early in snapshot:
@@ -195,7 +258,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     return  # cancelled: the worker may have reused its area for its next pull
                 if early is None:
                     with run.cond:
-                        early = _pull_part(p, p.values, request.codec, into)
+                        early = _pulled(p, p.values, request.codec, into, context)
                         if rule.pulls_race_updates and _aliases(early[1], p.values):
                             # The bytes leave after the lock is released (on a stream, as fast as
                             # the worker reads), and updates go on meanwhile: send a copy.
@@ -225,6 +288,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if run is None:
                     run, rule = self._run(request.run_id, context)
                     header = (request.run_id, request.worker_id, request.step)
+                    _check_step(run, request.step, context)
                     # Rules that only sum take sparse parts as (indices, values): no full-size copy.
                     decode = decode_summand if rule.sums_sparse_parts else decode_part
                 elif (request.run_id, request.worker_id, request.step) != header:
@@ -359,6 +423,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if run is None:
                     run, rule = self._run(request.run_id, context)
                     header = _round_of(request)
+                    _check_step(run, request.step, context)
+                    strangers = sorted(set(request.members) - run.workers)
+                    if strangers:
+                        context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"members {strangers} are not workers of run {request.run_id!r}",
+                        )
                     if request.HasField("into"):  # checked before any wait, like a pull's
                         into = self._writer(run, request, context)
                     if request.HasField("stream"):
@@ -372,6 +443,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a GroupAverageRequest without a part")
                 for msg in parts:
                     part = self._part(run, msg, context)
+                    if part.key in deposit:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"part {msg.name}/{msg.index} deposited twice")
                     payload = self._payload(run, request.worker_id, msg, msg.payload, context, receiver)
                     try:
                         deposit[part.key] = decode_part(payload, msg.lz4, msg.codec, part.count, self.device)
@@ -382,11 +455,23 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         _, worker_id, step, members, is_global = header
         if worker_id not in members:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker {worker_id} is not in its own group {members}")
+        # A round averages whole models: every member deposits every part this shard holds.
+        missing = sorted(key for key in run.parts if key not in deposit)
+        if missing:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a deposit carries all {len(run.parts)} parts this shard holds for the run; "
+                f"{len(missing)} missing, first {missing[0][0]}/{missing[0][1]}",
+            )
         with run.cond:
             try:
-                averages, frontier = rule.group_average(worker_id, step, frozenset(members), is_global, deposit)
+                averages, frontier = rule.group_average(
+                    worker_id, step, frozenset(members), is_global, deposit, wait=_waiter(run, context)
+                )
             except PushRejected as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except CallEnded as e:
+                context.abort(_ended_code(e), f"round {step} of {sorted(members)}: {e}")
             run.cond.notify_all()
             # Copied under the lock, into the worker's region or into bytes: a round's result is
             # fixed, but the copy is the snapshot.
@@ -408,7 +493,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         if msg.dtype != tensor_pb2.DTYPE_FLOAT32:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"part {msg.name}/{msg.index}: dtype {tensor_pb2.DType.Name(msg.dtype)}, expected DTYPE_FLOAT32",
+                f"part {msg.name}/{msg.index}: dtype {_dtype_name(msg.dtype)}, expected DTYPE_FLOAT32",
             )
         if msg.offset != part.offset or msg.count != part.count:
             context.abort(
@@ -513,6 +598,124 @@ def _part_meta(part: Part, codec: tensor_pb2.CodecParams, version: int) -> tenso
     meta.codec.CopyFrom(codec)
     meta.version = version
     return meta
+
+
+def _open_run_problem(request: shard_pb2.OpenRunRequest) -> str | None:
+    """What makes an OpenRun request unusable (one line), or None; checked before any allocation."""
+    if not request.run_id:
+        return "OpenRun needs a run_id"
+    if request.spec.scheme not in RULES:
+        return f"unknown scheme {request.spec.scheme!r}; choose one of {', '.join(sorted(RULES))}"
+    optimizer = run_pb2.OptimizerSpec()
+    optimizer.CopyFrom(request.spec.optimizer)
+    optimizer.schedule = optimizer.schedule or "constant"  # as learning_rate reads an unset one
+    try:
+        validate_optimizer(optimizer)
+    except ValueError as e:
+        return f"optimizer: {_one_line(e)}"
+    if not request.workers:
+        return "a run needs at least one worker"
+    if len(set(request.workers)) != len(request.workers):
+        return f"worker ids repeat: {list(request.workers)}"
+    seen: set[PartKey] = set()
+    for p in request.placement.parts:
+        if (p.name, p.index) in seen:
+            return f"part {p.name}/{p.index} is placed twice"
+        seen.add((p.name, p.index))
+        if p.count > _MAX_PART_COUNT:
+            return f"part {p.name}/{p.index}: {p.count} values, more than the {_MAX_PART_COUNT} a part may hold"
+    return None
+
+
+def _opened_by(run: RunState, request: shard_pb2.OpenRunRequest) -> bool:
+    """Whether `run` is what `request` opens (a retried OpenRun)."""
+    return (
+        run.spec == request.spec
+        and run.placement == request.placement
+        and run.shard_index == request.shard_index
+        and run.total_steps == request.total_steps
+        and run.workers == frozenset(request.workers)
+    )
+
+
+def _check_step(run: RunState, step: int, context: grpc.ServicerContext) -> None:
+    """INVALID_ARGUMENT for a step past the run's end: steps count from 0 and the last exchange
+    (asgd's final push, wagma's final global round) is at step total_steps."""
+    if run.total_steps and step > run.total_steps:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {step} is beyond the run's {run.total_steps} steps")
+
+
+def _waiter(run: RunState, context: grpc.ServicerContext) -> Wait:
+    """How a call waits on `run.cond` (held): in slices, so that a call whose client cancelled or
+    whose deadline passed frees its thread at once (CallEnded) rather than after its whole wait,
+    and a run closed meanwhile ends the wait (PushRejected)."""
+
+    def wait(ready, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while not ready():
+            if run.closed:
+                raise PushRejected(f"run {run.run_id!r} was closed on this shard")
+            if not context.is_active():
+                raise CallEnded("the call was cancelled", deadline=False)
+            left = end - time.monotonic()
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise CallEnded("the call's deadline passed", deadline=True)
+            if left <= 0:
+                return False
+            run.cond.wait(min(_WAIT_SLICE_S, left, _DEFAULT_WAIT_S if remaining is None else remaining))
+        return True
+
+    return wait
+
+
+def _ended_code(e: CallEnded) -> grpc.StatusCode:
+    return grpc.StatusCode.DEADLINE_EXCEEDED if e.deadline else grpc.StatusCode.CANCELLED
+
+
+def _pulled(
+    part: Part,
+    values: torch.Tensor,
+    codec: tensor_pb2.CodecParams,
+    into: RegionWriter | None,
+    context: grpc.ServicerContext,
+) -> tuple[tensor_pb2.TensorPart, wire.Buffer]:
+    """`_pull_part`, or the call's end when the values cannot be sent: FAILED_PRECONDITION when
+    they are not finite (the run diverged: no codec can send them), else OUT_OF_RANGE (they do
+    not fit the pull codec)."""
+    try:
+        return _pull_part(part, values, codec, into)
+    except CodecError:
+        name = f"{part.key[0]}/{part.key[1]}"
+        what = "weights" if values.data_ptr() == part.values.data_ptr() else "values"
+        if not bool(torch.isfinite(values).all()):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"part {name}: its {what} are not finite (NaN or Inf): the run diverged",
+            )
+        peak = float(values.abs().max())
+        context.abort(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"part {name}: its {what} (|value| up to {peak:g}) do not fit {_codec_name(codec)}; pull with codec none",
+        )
+
+
+def _dtype_name(dtype: int) -> str:
+    """The DType enum's name for `dtype`, or the number when it has none."""
+    return tensor_pb2.DType.Name(dtype) if dtype in tensor_pb2.DType.values() else str(dtype)
+
+
+def _codec_name(params: tensor_pb2.CodecParams) -> str:
+    """The CLI name of `params` ("fp16", "topk:0.01"), or the enum number when it is not valid."""
+    try:
+        return format_codec(params)
+    except CodecError:
+        return f"codec {params.codec}"
+
+
+def _one_line(e: Exception) -> str:
+    """An exception's message as one line (torch's and others' may span several)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _pull_part(
@@ -629,6 +832,7 @@ def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
 def register_with_coordinator(coordinator: str, address: str, device: str, timeout_s: float = 60.0) -> int:
     """Announce this shard; retry while the coordinator starts (compose starts them together)."""
     deadline = time.monotonic() + timeout_s
+    warned = False
     with open_channel(coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         while True:
@@ -640,11 +844,14 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
             except grpc.RpcError as e:
                 if time.monotonic() > deadline:
                     raise click.ClickException(f"cannot reach coordinator at {coordinator}: {e.details()}") from None
+                if not warned:  # say why nothing happens yet
+                    _LOGGER.warning("coordinator %s: %s; retrying %.0f s", coordinator, e.code().name, timeout_s)
+                    warned = True
                 time.sleep(0.5)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--port", envvar="GRADPS_PORT", default=50052, type=int, help="Port to bind on [::] (0: any free).")
+@port_option(50052)
 @click.option(
     "--data-port",
     envvar="GRADPS_DATA_PORT",
@@ -660,8 +867,8 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
     help="Host name by which workers reach this shard.",
 )
 @device_option("Where parts live and updates run (auto: CUDA when present).", envvar="GRADPS_DEVICE")
-@click.option("--port-file", envvar="GRADPS_PORT_FILE", default=None, help="Write the bound port here.")
-@click.option("--log-level", envvar="GRADPS_LOG_LEVEL", default="INFO")
+@port_file_option
+@log_level_option
 def main(
     port: int,
     data_port: int,
@@ -681,10 +888,13 @@ def main(
     server = make_server()
     add_shard_servicer(ShardServicer(torch_device, listener), server)
     add_health(server, ["gradps.v1.ShardService"])
-    bound = bind(server, port)
+    try:
+        bound = bind(server, port)
+    except OSError as e:
+        raise click.UsageError(f"--port {port}: {e}") from None
     server.start()
     index = register_with_coordinator(coordinator, f"{advertise_host}:{bound}", str(torch_device))
-    write_port_file(port_file, bound)
+    write_port_file(port_file, bound)  # its folder was checked before registering (port_file_option)
     _LOGGER.info(
         "shard %d serving on port %d, data streams on %s (%s)",
         index,

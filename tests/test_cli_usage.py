@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -131,3 +132,46 @@ def test_an_interrupted_train_stops_its_run(cluster, client: Client, tmp_path, i
     finally:
         if cli_process.poll() is None:
             cli_process.kill()
+
+
+def test_services_refuse_bad_flags_in_one_line(tmp_path):
+    busy = socket.socket(socket.AF_INET6)
+    busy.bind(("::", 0))
+    busy.listen()
+    in_use = str(busy.getsockname()[1])
+    cases = [
+        (["ps_server.coordinator", "--port", "70000"], "70000 is not in the range 0<=x<=65535"),
+        (["ps_server.coordinator", "--port", in_use], f"--port {in_use}: cannot bind port {in_use}"),
+        (["ps_server.shard", "--coordinator", "127.0.0.1:1", "--log-level", "BOGUS"], "'BOGUS' is not one of"),
+        (["ps_server.shard", "--coordinator", "127.0.0.1:1", "--port-file", "/proc/x/p"], "cannot write a file in"),
+        (["gpu_worker.service", "--coordinator", "127.0.0.1:1", "--threads", "0"], "0 is not in the range x>=1"),
+    ]
+    try:
+        for args, words in cases:
+            r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2, (args, r.stderr)
+            assert r.stderr.strip().splitlines()[-1].endswith(words) or words in r.stderr, (args, r.stderr)
+            assert "Traceback" not in r.stderr, (args, r.stderr)
+    finally:
+        busy.close()
+
+
+def test_a_worker_waiting_to_join_stops_on_sigterm():
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "gpu_worker.service", "--coordinator", "127.0.0.1:1"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # It says why nothing happens, then gives up on SIGTERM rather than after its 60 s of retries.
+        line = worker.stderr.readline()
+        while "retrying" not in line:
+            assert line, "the worker exited without saying it retries"
+            line = worker.stderr.readline()
+        worker.send_signal(signal.SIGTERM)
+        _, stderr = worker.communicate(timeout=10)
+        assert "stopped before joining the coordinator at 127.0.0.1:1" in stderr, stderr
+        assert "Traceback" not in stderr
+    finally:
+        if worker.poll() is None:
+            worker.kill()

@@ -9,7 +9,7 @@ import torch
 
 from gradps.placement import PartKey
 from gradps.v1 import shard_pb2
-from ps_server.run_state import Part, Push, PushRejected, RunState
+from ps_server.run_state import Part, Push, PushRejected, RunState, Wait
 
 
 class ShardRule(ABC):
@@ -46,7 +46,17 @@ class ShardRule(ABC):
         """A pull of `parts` by `worker_id` is being answered."""
 
     def group_average(
-        self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
+        self,
+        worker_id: int,
+        step: int,
+        members: frozenset[int],
+        is_global: bool,
+        deposit: dict[PartKey, torch.Tensor],
+        wait: Wait | None = None,
     ) -> tuple[dict[PartKey, torch.Tensor], int]:
-        """A group round (wagma). Returns the round's averages and the highest step deposited."""
+        """A group round (wagma). Returns the round's averages and the highest step deposited.
+
+        `deposit` holds every part of the run on this shard (the service checks it). `wait` is how
+        the round waits for the other members (the caller's: it ends when the call does, with
+        CallEnded); `run.cond.wait_for` when None."""
         raise PushRejected(f"scheme {self.run.spec.scheme!r} has no group rounds")

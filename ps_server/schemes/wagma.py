@@ -13,7 +13,7 @@ import logging
 import torch
 
 from gradps.placement import PartKey
-from ps_server.run_state import Push, PushRejected
+from ps_server.run_state import Push, PushRejected, Wait
 from ps_server.schemes.base import ShardRule
 
 # Deposits kept per worker and part: the newest, and one older in case a newer step arrives
@@ -41,7 +41,13 @@ class WagmaRule(ShardRule):
         raise PushRejected("wagma workers exchange models with GroupAverage, not gradients")
 
     def group_average(
-        self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
+        self,
+        worker_id: int,
+        step: int,
+        members: frozenset[int],
+        is_global: bool,
+        deposit: dict[PartKey, torch.Tensor],
+        wait: Wait | None = None,
     ) -> tuple[dict[PartKey, torch.Tensor], int]:
         if worker_id not in self.run.live_workers:
             raise PushRejected(f"worker {worker_id} is not a live member of the run")
@@ -63,7 +69,8 @@ class WagmaRule(ShardRule):
                     for key in deposit
                 )
 
-            if not self.run.cond.wait_for(everyone_deposited, timeout=_GLOBAL_WAIT_S):
+            wait = wait or (lambda ready, timeout_s: self.run.cond.wait_for(ready, timeout=timeout_s))
+            if not wait(everyone_deposited, _GLOBAL_WAIT_S):
                 _LOGGER.warning("run %s: global round %d fixed without every live member", self.run.run_id, step)
         result = self.rounds.get(round_key)
         if result is None:
