@@ -147,7 +147,9 @@ def serve(
 
 def _failure(e: Exception) -> coordinator_pb2.Metrics:
     """A report that fails the run: the model or dataset could not be built, or training broke."""
-    return coordinator_pb2.Metrics(error=f"{type(e).__name__}: {e}"[:2000], test_accuracy=-1.0)
+    # An RpcError prints as a multi-line dump of the call; its code and details are what matter.
+    why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
+    return coordinator_pb2.Metrics(error=" ".join(why.split())[:2000], test_accuracy=-1.0)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

@@ -126,7 +126,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if record.ended:
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"run {request.run_id} already ended ({cpb.RunState.Name(record.status.state)})",
+                    f"run {request.run_id} already ended: "
+                    + cpb.RunState.Name(record.status.state).removeprefix("RUN_STATE_").lower(),
                 )
             self._end(record, cpb.RUN_STATE_STOPPED, "stopped by a client")
         return cpb.StopRunResponse()

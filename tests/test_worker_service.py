@@ -9,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+
 from client.sdk import Client
+from gpu_worker.service import _failure
 
 
 def _spawn(tmp_path: Path, name: str, module: str, *args: str) -> subprocess.Popen:
@@ -108,3 +111,21 @@ def test_each_worker_moves_payloads_the_way_it_was_told(tmp_path: Path):
     assert "to shards [] through shared memory, to [] on data streams, to [0, 1] inline" in grpc, grpc[-2000:]
     for log in (shm, stream, grpc):
         assert "Traceback" not in log and "payloads inline for now" not in log, log[-2000:]
+
+
+class _Unreachable(grpc.RpcError):
+    """What grpcio raises for a shard that went away: str() is a multi-line dump of the call."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "failed to connect to all addresses"
+
+    def __str__(self) -> str:
+        return "<_InactiveRpcError of RPC that terminated with:\n\tstatus = StatusCode.UNAVAILABLE\n>"
+
+
+def test_a_failed_run_is_reported_in_one_line():
+    assert _failure(_Unreachable()).error == "UNAVAILABLE: failed to connect to all addresses"
+    assert _failure(ValueError("no such\nmodel")).error == "ValueError: no such model"
