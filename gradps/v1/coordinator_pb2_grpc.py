@@ -107,7 +107,9 @@ class CoordinatorServiceServicer:
     """
 
     def SubmitRun(self, request, context):
-        """Client: queue a run.
+        """Client: queue a run. INVALID_ARGUMENT for a spec that would fail later (any number that is
+        not finite or out of range, codec parameters, more than 4096 workers, unknown built-in model
+        or dataset names).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,7 +160,8 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterShard(self, request, context):
-        """Shard: announce itself; shards are numbered in order of registration.
+        """Shard: announce itself at HOST:PORT or [IPV6]:PORT; shards are numbered in order of
+        registration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,7 +189,9 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPlacement(self, request, context):
-        """Worker: the placement table of a run; the first caller's tensors define it.
+        """Worker: the placement table of a running run (FAILED_PRECONDITION otherwise); the first
+        caller's tensors define it: at least one, uniquely named, float32, each of at most 2^40
+        elements, 2^18 parts in all (INVALID_ARGUMENT, checked before anything is placed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -92,7 +92,10 @@ class ShardServiceServicer:
     """
 
     def OpenRun(self, request, context):
-        """Coordinator -> shard: create a run's state for the parts this shard owns.
+        """Coordinator -> shard: create a run's state for the parts this shard owns. A retry with the
+        same request is OK; a different request for an open run is ALREADY_EXISTS; an unusable one
+        (no run id or workers, a part placed twice or over 64 MiB, a bad optimizer) is
+        INVALID_ARGUMENT, and opens nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,7 +109,9 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetMembership(self, request, context):
-        """Coordinator -> shard: the live workers of a run changed (a worker died).
+        """Coordinator -> shard: the live workers of a run changed (a worker died). INVALID_ARGUMENT for
+        a worker that is not one of the run's, or an epoch beyond the run's worker count (one epoch
+        per worker lost).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
