@@ -18,12 +18,15 @@ from client.sdk import Client
 from client.usage import FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
 from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
-from gradps.device import device_option
+from gradps.device import device_option, resolve_option
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
 from ps_server.run_spec import validate, with_defaults
 
 SCHEMES = ["sync", "asgd", "ssp", "wagma", "pseudosync"]
+# The RunSpec's integer fields: a larger value is a usage error naming its option, not protobuf's
+# "Value out of range".
+UINT32, UINT64 = 2**32 - 1, 2**64 - 1
 _CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
@@ -54,7 +57,9 @@ def spec_options(fn):
         click.option(
             "--dataset", default="digits", help="digits, synthetic-images, synthetic-tokens or an import path."
         ),
-        click.option("--dataset-size", default=0, type=click.IntRange(min=0), help="Samples for synthetic datasets."),
+        click.option(
+            "--dataset-size", default=0, type=click.IntRange(min=0, max=UINT64), help="Samples for synthetic datasets."
+        ),
         click.option("--optimizer", default="sgd", type=click.Choice(["sgd", "adam", "adamw"])),
         click.option("--lr", default=0.2, type=FiniteFloat(min=0, min_open=True)),
         click.option("--momentum", default=0.0, type=FiniteFloat(min=0)),
@@ -62,14 +67,19 @@ def spec_options(fn):
         click.option("--weight-decay", default=0.0, type=FiniteFloat(min=0)),
         click.option("--schedule", default="constant", type=click.Choice(["constant", "step", "cosine"])),
         click.option(
-            "--step-size", default=0, type=click.IntRange(min=0), help="step schedule: decay the lr every N updates."
+            "--step-size",
+            default=0,
+            type=click.IntRange(min=0, max=UINT64),
+            help="step schedule: decay the lr every N updates.",
         ),
         click.option("--gamma", default=0.1, type=FiniteFloat(0, 1, min_open=True), help="step schedule: lr factor."),
-        click.option("--warmup-steps", default=0, type=click.IntRange(min=0)),
-        click.option("--batch-size", default=32, type=click.IntRange(min=1)),
-        click.option("--steps", default=0, type=click.IntRange(min=0), help="Steps per worker (0: use --epochs)."),
+        click.option("--warmup-steps", default=0, type=click.IntRange(min=0, max=UINT64)),
+        click.option("--batch-size", default=32, type=click.IntRange(min=1, max=UINT32)),
+        click.option(
+            "--steps", default=0, type=click.IntRange(min=0, max=UINT64), help="Steps per worker (0: use --epochs)."
+        ),
         click.option("--epochs", default=50.0, type=FiniteFloat(min=0, min_open=True)),
-        click.option("--seed", default=0, type=click.IntRange(min=0)),
+        click.option("--seed", default=0, type=click.IntRange(min=0, max=UINT64)),
         click.option(
             "--codec",
             default="none",
@@ -78,17 +88,26 @@ def spec_options(fn):
         ),
         click.option("--pull-codec", default="none", callback=_codec, help="Weights codec: none, fp16, bf16."),
         click.option(
-            "--eval-every", default=50, type=click.IntRange(min=0), help="Evaluate every K steps (0: only at the end)."
+            "--eval-every",
+            default=50,
+            type=click.IntRange(min=0, max=UINT32),
+            help="Evaluate every K steps (0: only at the end).",
         ),
-        click.option("--part-size", default=4 * 1024 * 1024, type=click.IntRange(min=1), help="Bytes per part."),
-        click.option("--n-push", default=1, type=click.IntRange(min=1), help="asgd: push every N steps."),
-        click.option("--n-fetch", default=1, type=click.IntRange(min=1), help="asgd: fetch every N steps."),
+        click.option(
+            "--part-size", default=4 * 1024 * 1024, type=click.IntRange(min=1, max=UINT64), help="Bytes per part."
+        ),
+        click.option("--n-push", default=1, type=click.IntRange(min=1, max=UINT32), help="asgd: push every N steps."),
+        click.option("--n-fetch", default=1, type=click.IntRange(min=1, max=UINT32), help="asgd: fetch every N steps."),
         click.option("--staleness-lr", is_flag=True, help="asgd/ssp: lr / max(1, staleness)."),
         click.option("--dc-lambda", default=0.0, type=FiniteFloat(min=0), help="asgd/ssp: DC-ASGD lambda."),
         click.option("--dc-adaptive", is_flag=True, help="asgd/ssp: adaptive DC-ASGD lambda."),
-        click.option("--staleness", default=2, type=click.IntRange(min=0), help="ssp: staleness bound s."),
-        click.option("--group-size", default=0, type=click.IntRange(min=0), help="wagma: group size (0: ~sqrt(P))."),
-        click.option("--tau", default=10, type=click.IntRange(min=1), help="wagma: global average every tau steps."),
+        click.option("--staleness", default=2, type=click.IntRange(min=0, max=UINT32), help="ssp: staleness bound s."),
+        click.option(
+            "--group-size", default=0, type=click.IntRange(min=0, max=UINT32), help="wagma: group size (0: ~sqrt(P))."
+        ),
+        click.option(
+            "--tau", default=10, type=click.IntRange(min=1, max=UINT32), help="wagma: global average every tau steps."
+        ),
         click.option("--alpha", default=0.5, type=FiniteFloat(0, 1, min_open=True), help="pseudosync: initial a."),
         click.option("--alpha-min", default=0.1, type=FiniteFloat(0, 1, min_open=True), help="pseudosync: min a."),
         click.option("--fixed-alpha", is_flag=True, help="pseudosync: keep a fixed (no adaptation)."),
@@ -174,7 +193,7 @@ def _transport_option(fn, applies: str = "--local: "):
 
 def _cluster_options(fn):
     fn = _transport_option(fn)
-    fn = device_option("--local: where shards and workers compute (auto: CUDA when present).")(fn)
+    fn = device_option("--local: where shards and workers compute (auto: CUDA when present).", resolve=False)(fn)
     fn = click.option("--heartbeat-timeout", default=5.0, type=FiniteFloat(min=0.1), help="--local: seconds.")(fn)
     fn = click.option("--shards", default=2, type=click.IntRange(min=1), help="--local: shard processes.")(fn)
     fn = click.option("--local", is_flag=True, help="Start an embedded cluster of local processes.")(fn)
@@ -200,6 +219,7 @@ def train(
         env = " (GRADPS_COORDINATOR is set)" if local and os.environ.get("GRADPS_COORDINATOR") else ""
         raise click.UsageError(f"give exactly one of --local or --coordinator HOST:PORT{env}")
     spec = build_spec(scheme, workers, **options)
+    device = resolve_option(device) if local else device  # only the embedded cluster's
     make_dir(out or Path("runs"))  # before a run is submitted that could not write its results
     if local:
         log_dir = Path("runs") / "local-logs" if out is None else out / "logs"
@@ -366,6 +386,7 @@ def compare(
     if coordinator and local:
         raise click.UsageError("give --local or --coordinator HOST:PORT, not both")
     specs = [build_spec(name, workers, **o) for name in names]
+    device = device if coordinator else resolve_option(device)  # only the embedded cluster's
     make_dir(out)
     if coordinator:
         with Client(coordinator) as client:

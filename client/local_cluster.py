@@ -12,6 +12,10 @@ from pathlib import Path
 
 from client.sdk import Client, GradpsError
 
+# Each shard and worker is a process with its own torch (~300 MiB): a typo such as --workers 4000
+# must not fork the machine to a halt.
+MAX_PROCESSES = 256
+
 
 class LocalCluster:
     """Starts real processes (one per service) and stops them with SIGTERM."""
@@ -27,6 +31,11 @@ class LocalCluster:
     ) -> None:
         if shards < 1 or workers < 0:
             raise GradpsError("a local cluster needs at least 1 shard")
+        if shards + workers > MAX_PROCESSES:
+            raise GradpsError(
+                f"{shards} shards and {workers} workers are more than the {MAX_PROCESSES} processes a local "
+                "cluster starts on one machine"
+            )
         self.n_shards = shards
         self.n_workers = workers
         self.heartbeat_timeout_s = heartbeat_timeout_s

@@ -21,6 +21,8 @@ class GradpsError(Exception):
 def _describe(e: grpc.RpcError, address: str) -> GradpsError:
     if e.code() == grpc.StatusCode.UNAVAILABLE:
         return GradpsError(f"no coordinator reachable at {address}")
+    if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a shard's port, or another gRPC server
+        return GradpsError(f"{address} is not a gradps coordinator ({e.details()})")
     return GradpsError(f"{e.code().name}: {e.details()}")
 
 

@@ -19,16 +19,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def resolve_option(value: str) -> str:
+    """A `--device` value resolved ('cpu' or 'cuda'); CUDA where there is none is a usage error."""
     try:
         return str(resolve_device(value))
     except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+        raise click.BadParameter(str(e), param_hint="'--device'") from None
 
 
-def device_option(help: str, default: str = "auto", envvar: str | None = None) -> Callable:
+def device_option(help: str, default: str = "auto", envvar: str | None = None, resolve: bool = True) -> Callable:
     """The `--device` option of every command: auto, cpu or cuda, given to the command resolved
-    ('cpu' or 'cuda'); CUDA where there is none is a usage error, before anything starts."""
+    (`resolve_option`), before anything starts. With resolve=False the command gets it as given
+    and resolves it where it applies (`gradps train --local`, not `--coordinator`)."""
+    callback = (lambda ctx, param, value: resolve_option(value)) if resolve else None
     return click.option(
-        "--device", default=default, envvar=envvar, type=click.Choice(DEVICES), callback=_resolve, help=help
+        "--device", default=default, envvar=envvar, type=click.Choice(DEVICES), callback=callback, help=help
     )

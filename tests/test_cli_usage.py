@@ -37,6 +37,13 @@ def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["bench", "memory", "--json", str(tmp)], "is a directory"),
         (["bench", "adam", "--params", str(10**15)], "GiB free on cpu"),
         (["bench", "step", "--scheme", "bogus"], "'bogus' is not one of"),
+        (["train", "--local", "--seed", str(2**64)], "is not in the range 0<=x<=18446744073709551615"),
+        (["up", "--workers", "300"], "more than the 256 processes a local cluster starts"),
+        # --device is the embedded cluster's: with --coordinator it is not checked against this host.
+        (
+            ["train", "--coordinator", "127.0.0.1:1", "--device", "cuda", "--out", str(tmp / "run")],
+            "no coordinator reachable at 127.0.0.1:1",
+        ),
     ]
 
 
@@ -58,6 +65,13 @@ def test_local_and_a_coordinator_from_the_environment_is_explained():
     result = CliRunner().invoke(cli, ["train", "--local"], env={"GRADPS_COORDINATOR": "127.0.0.1:1"})
     assert result.exit_code == 2
     assert "(GRADPS_COORDINATOR is set)" in result.output
+
+
+def test_a_shard_address_for_a_coordinator_is_named(cluster, client: Client):
+    shard = client.cluster().shards[0]
+    result = CliRunner().invoke(cli, ["status", "--coordinator", shard])
+    assert result.exit_code == 1
+    assert f"Error: {shard} is not a gradps coordinator" in result.output, result.output
 
 
 def _children(pid: int) -> list[int]:
