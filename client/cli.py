@@ -196,8 +196,12 @@ def _cluster_options(fn):
     fn = device_option("--local: where shards and workers compute (auto: CUDA when present).", resolve=False)(fn)
     fn = click.option("--heartbeat-timeout", default=5.0, type=FiniteFloat(min=0.1), help="--local: seconds.")(fn)
     fn = click.option("--shards", default=2, type=click.IntRange(min=1), help="--local: shard processes.")(fn)
-    fn = click.option("--local", is_flag=True, help="Start an embedded cluster of local processes.")(fn)
-    fn = click.option("--coordinator", envvar="GRADPS_COORDINATOR", default=None, help="Coordinator HOST:PORT.")(fn)
+    fn = click.option(
+        "--local", is_flag=True, help="Start an embedded cluster of local processes (compare: the default)."
+    )(fn)
+    fn = click.option(
+        "--coordinator", envvar="GRADPS_COORDINATOR", show_envvar=True, default=None, help="Coordinator HOST:PORT."
+    )(fn)
     return fn
 
 
@@ -273,7 +277,11 @@ def up(shards: int, workers: int, heartbeat_timeout: float, device: str, transpo
 
 def _coordinator_option(fn):
     return click.option(
-        "--coordinator", envvar="GRADPS_COORDINATOR", default="127.0.0.1:50051", help="Coordinator HOST:PORT."
+        "--coordinator",
+        envvar="GRADPS_COORDINATOR",
+        show_envvar=True,
+        default="127.0.0.1:50051",
+        help="Coordinator HOST:PORT.",
     )(fn)
 
 

@@ -1,8 +1,9 @@
 """Your own training script as a gradps worker: wrap the model, call `trainer.step()` per batch.
 
-Run it against any cluster whose run asks for one worker, e.g.:
+It starts its own cluster (a local coordinator and 2 shards, no worker processes), submits a run
+for one worker, and is that worker:
 
-    python examples/own_training_loop.py            # starts a local coordinator + 2 shards itself
+    python examples/own_training_loop.py
 
 The loop below is plain PyTorch; gradps only adds `Trainer(...)`, `start()`, `step()`, `finish()`.
 """

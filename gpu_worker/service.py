@@ -153,15 +153,25 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--coordinator", envvar="GRADPS_COORDINATOR", required=True, help="Coordinator HOST:PORT.")
-@device_option("Where the model trains (auto: CUDA when present).", envvar="GRADPS_DEVICE")
-@click.option("--name", envvar="GRADPS_WORKER_NAME", default=None, help="Name shown in `gradps status`.")
 @click.option(
-    "--threads", envvar="GRADPS_THREADS", default=1, type=click.IntRange(min=1), help="torch intra-op threads."
+    "--coordinator", envvar="GRADPS_COORDINATOR", show_envvar=True, required=True, help="Coordinator HOST:PORT."
+)
+@device_option("Where the model trains (auto: CUDA when present).", envvar="GRADPS_DEVICE")
+@click.option(
+    "--name", envvar="GRADPS_WORKER_NAME", show_envvar=True, default=None, help="Name shown in `gradps status`."
+)
+@click.option(
+    "--threads",
+    envvar="GRADPS_THREADS",
+    show_envvar=True,
+    default=1,
+    type=click.IntRange(min=1),
+    help="torch intra-op threads.",
 )
 @click.option(
     "--transport",
     envvar="GRADPS_TRANSPORT",
+    show_envvar=True,
     type=click.Choice(TRANSPORTS),
     default="shm",
     help="Where payloads travel: shm (shared memory with shards on this host, a data stream to others), "

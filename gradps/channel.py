@@ -112,6 +112,7 @@ def port_option(default: int) -> Callable:
     return click.option(
         "--port",
         envvar="GRADPS_PORT",
+        show_envvar=True,
         default=default,
         type=click.IntRange(0, 65535),
         help="Port to bind on [::] (0: any free).",
@@ -128,7 +129,12 @@ def _port_file(ctx: click.Context, param: click.Parameter, path: str | None) -> 
 def port_file_option(fn: Callable) -> Callable:
     """A service's `--port-file` (GRADPS_PORT_FILE), its folder checked before the service starts."""
     return click.option(
-        "--port-file", envvar="GRADPS_PORT_FILE", default=None, callback=_port_file, help="Write the bound port here."
+        "--port-file",
+        envvar="GRADPS_PORT_FILE",
+        show_envvar=True,
+        default=None,
+        callback=_port_file,
+        help="Write the bound port here.",
     )(fn)
 
 
@@ -137,6 +143,7 @@ def log_level_option(fn: Callable) -> Callable:
     return click.option(
         "--log-level",
         envvar="GRADPS_LOG_LEVEL",
+        show_envvar=True,
         default="INFO",
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     )(fn)

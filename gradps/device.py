@@ -33,5 +33,11 @@ def device_option(help: str, default: str = "auto", envvar: str | None = None, r
     and resolves it where it applies (`gradps train --local`, not `--coordinator`)."""
     callback = (lambda ctx, param, value: resolve_option(value)) if resolve else None
     return click.option(
-        "--device", default=default, envvar=envvar, type=click.Choice(DEVICES), callback=callback, help=help
+        "--device",
+        default=default,
+        envvar=envvar,
+        show_envvar=envvar is not None,
+        type=click.Choice(DEVICES),
+        callback=callback,
+        help=help,
     )

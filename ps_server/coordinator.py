@@ -358,6 +358,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         for worker in self._workers.values():
             if worker.run_id == record.status.run_id:
                 worker.run_id = ""
+        if record.opened_on_shards:  # free workers blocked on it (a pull for a step no one will push)
+            self._to_shards(record, "EndRun", shard_pb2.EndRunRequest(run_id=record.status.run_id))
         self._event(record, metrics)
         self._schedule()
         _LOGGER.info("run %s ended: %s %s", record.status.run_id, cpb.RunState.Name(state), message)
@@ -472,6 +474,7 @@ def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
 @click.option(
     "--heartbeat-timeout",
     envvar="GRADPS_HEARTBEAT_TIMEOUT",
+    show_envvar=True,
     default=5.0,
     type=click.FloatRange(min=0.1),
     help="Seconds without a heartbeat before a worker is declared dead.",

@@ -89,6 +89,9 @@ class RunState:
     # Data streams of workers on other hosts, by (worker id, stream id).
     streams: dict[tuple[int, int], DataStream] = field(default_factory=dict)
     closed: bool = False
+    # The run ended (EndRun: stopped, failed or completed): nothing waits on it or updates it any
+    # more, and its parts stay readable until it is closed.
+    ended: bool = False
 
     @classmethod
     def open(cls, request: shard_pb2.OpenRunRequest, device: torch.device) -> RunState:
@@ -125,6 +128,12 @@ class RunState:
         """Data streams `worker` holds open (those closed at either end are forgotten here)."""
         self.streams = {key: s for key, s in self.streams.items() if not s.gone()}
         return sum(1 for w, _ in self.streams if w == worker)
+
+    def end(self) -> None:
+        """The run is over: calls waiting on it end now (see ShardServicer's waits), not at their
+        timeout, which would keep its workers from their next run."""
+        self.ended = True
+        self.cond.notify_all()
 
     def close(self) -> None:
         """The run ends on this shard: its data streams close, its segments go with the state."""

@@ -143,6 +143,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 found[0].close()
         return shard_pb2.CloseRunResponse()
 
+    def EndRun(self, request, context):
+        run, _ = self._run(request.run_id, context)
+        with run.cond:
+            run.end()
+        _LOGGER.info("run %s ended", request.run_id)
+        return shard_pb2.EndRunResponse()
+
     def SetMembership(self, request, context):
         run, rule = self._run(request.run_id, context)
         strangers = sorted(set(request.live_workers) - run.workers)
@@ -329,6 +336,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
         _, worker_id, step = header
         with run.cond:
+            if run.ended:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {run.run_id!r} ended: no more pushes")
             if worker_id not in run.live_workers:
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker_id} is not a live member of the run"
@@ -464,6 +473,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 f"{len(missing)} missing, first {missing[0][0]}/{missing[0][1]}",
             )
         with run.cond:
+            if run.ended:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {run.run_id!r} ended: no more rounds")
             try:
                 averages, frontier = rule.group_average(
                     worker_id, step, frozenset(members), is_global, deposit, wait=_waiter(run, context)
@@ -648,13 +659,13 @@ def _check_step(run: RunState, step: int, context: grpc.ServicerContext) -> None
 def _waiter(run: RunState, context: grpc.ServicerContext) -> Wait:
     """How a call waits on `run.cond` (held): in slices, so that a call whose client cancelled or
     whose deadline passed frees its thread at once (CallEnded) rather than after its whole wait,
-    and a run closed meanwhile ends the wait (PushRejected)."""
+    and a run ended or closed meanwhile ends the wait (PushRejected)."""
 
     def wait(ready, timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
         while not ready():
-            if run.closed:
-                raise PushRejected(f"run {run.run_id!r} was closed on this shard")
+            if run.closed or run.ended:
+                raise PushRejected(f"run {run.run_id!r} {'was closed on this shard' if run.closed else 'ended'}")
             if not context.is_active():
                 raise CallEnded("the call was cancelled", deadline=False)
             left = end - time.monotonic()
@@ -855,14 +866,18 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
 @click.option(
     "--data-port",
     envvar="GRADPS_DATA_PORT",
+    show_envvar=True,
     default=50053,
     type=click.IntRange(-1, 65535),
     help="Port for workers' data streams (payloads as raw TCP beside gRPC; 0: any free, -1: none).",
 )
-@click.option("--coordinator", envvar="GRADPS_COORDINATOR", required=True, help="Coordinator HOST:PORT.")
+@click.option(
+    "--coordinator", envvar="GRADPS_COORDINATOR", show_envvar=True, required=True, help="Coordinator HOST:PORT."
+)
 @click.option(
     "--advertise-host",
     envvar="GRADPS_ADVERTISE_HOST",
+    show_envvar=True,
     default=socket.gethostname(),
     help="Host name by which workers reach this shard.",
 )

@@ -4,6 +4,7 @@ were. Waiting calls (a pull's long poll, a global round) end with their call."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -344,3 +345,36 @@ def test_initial_values_with_a_lossy_codec_are_invalid_argument(shards_only, cod
             part = _part(p, params, payload=payload)
             _rejected(lambda: _register(stub, run_id, part, overwrite=True), INVALID, "codec none")
             assert _weights(stub, run_id, worker) == before
+
+
+def test_an_ended_run_ends_its_waits_and_refuses_updates(shards_only, client: Client):
+    tensors = {"w": torch.zeros(64)}
+    grads = {"w": torch.ones(64)}
+    run_id, sessions, clients, _ = join_run(shards_only.address, _spec("sync", workers=2), tensors, n_workers=2)
+    try:
+        clients[0].register(tensors)
+        clients[0].push(grads, 0)  # worker 1 never pushes step 0: the pull of step 1 waits (10 s)
+        ended: list[BaseException | float] = []
+
+        def pull() -> None:
+            start = time.monotonic()
+            try:
+                clients[0].pull({"w": torch.zeros(64)}, min_version=1)
+            except grpc.RpcError as e:
+                ended.extend([e, time.monotonic() - start])
+
+        waiting = threading.Thread(target=pull)
+        waiting.start()
+        time.sleep(1.0)
+        client.stop(run_id)  # the coordinator ends the run on its shards (EndRun)
+        waiting.join(timeout=15)
+        error, seconds = ended
+        assert error.code() == PRECONDITION and "ended" in error.details(), error
+        assert seconds < 5, seconds  # at once, not at the pull's 10 s wait: its worker is free
+        with pytest.raises(grpc.RpcError) as refused:
+            clients[1].push(grads, 0)
+        assert refused.value.code() == PRECONDITION and "ended: no more pushes" in refused.value.details()
+        exported = client.export_state_dict(run_id)  # the parts stay readable
+        assert torch.equal(exported["w"], torch.zeros(64))
+    finally:
+        leave(sessions, clients)

@@ -64,6 +64,16 @@ class CloseRunResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class EndRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class EndRunResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class SetMembershipRequest(_message.Message):
     __slots__ = ("run_id", "epoch", "live_workers")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class ShardServiceStub:
                 request_serializer=gradps_dot_v1_dot_shard__pb2.CloseRunRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_shard__pb2.CloseRunResponse.FromString,
                 _registered_method=True)
+        self.EndRun = channel.unary_unary(
+                '/gradps.v1.ShardService/EndRun',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.EndRunRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.EndRunResponse.FromString,
+                _registered_method=True)
         self.SetMembership = channel.unary_unary(
                 '/gradps.v1.ShardService/SetMembership',
                 request_serializer=gradps_dot_v1_dot_shard__pb2.SetMembershipRequest.SerializeToString,
@@ -103,6 +108,16 @@ class ShardServiceServicer:
 
     def CloseRun(self, request, context):
         """Coordinator -> shard: free a run's state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndRun(self, request, context):
+        """Coordinator -> shard: the run ended (stopped, failed or completed). Calls waiting on it (a
+        pull for a step that will not complete, a group round) end at once with FAILED_PRECONDITION,
+        and later pushes and deposits are refused; its parts stay readable (Pull, the coordinator's
+        ExportRun) until CloseRun. Its workers are then free for the next run at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,7 +190,8 @@ class ShardServiceServicer:
     def GroupAverage(self, request_iterator, context):
         """Worker -> shard (wagma): deposit this worker's model parts for a group round and receive the
         round's average. The first arrival fixes the average from every member's latest deposit;
-        a global round waits for every live member instead.
+        a global round waits for every live member instead (at most 30 s, then it is fixed without
+        the late ones).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -193,6 +209,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.CloseRun,
                     request_deserializer=gradps_dot_v1_dot_shard__pb2.CloseRunRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_shard__pb2.CloseRunResponse.SerializeToString,
+            ),
+            'EndRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRun,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.EndRunRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.EndRunResponse.SerializeToString,
             ),
             'SetMembership': grpc.unary_unary_rpc_method_handler(
                     servicer.SetMembership,
@@ -290,6 +311,33 @@ class ShardService:
             '/gradps.v1.ShardService/CloseRun',
             gradps_dot_v1_dot_shard__pb2.CloseRunRequest.SerializeToString,
             gradps_dot_v1_dot_shard__pb2.CloseRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.ShardService/EndRun',
+            gradps_dot_v1_dot_shard__pb2.EndRunRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.EndRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
