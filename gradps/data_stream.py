@@ -137,8 +137,10 @@ class DataStream:
         if not self.closed:
             sock = self._sockets["receive"]
             try:
-                readable, _, _ = select.select([sock], [], [], 0)
-                if readable and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                # poll, not select: select() fails on descriptors past 1024 (a busy shard's).
+                readable = select.poll()
+                readable.register(sock, select.POLLIN)
+                if readable.poll(0) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
                     self.close()
             except BlockingIOError:
                 pass
@@ -254,9 +256,21 @@ class StreamListener:
         while True:
             try:
                 conn, _ = self._server.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._handshake, args=(conn,), name="data-stream-handshake", daemon=True).start()
+            except OSError as e:
+                if self._server.fileno() < 0:
+                    return  # closed
+                # Out of descriptors (EMFILE, ENFILE) or memory: the port must outlive it, or every
+                # later stream of every run would time out with nothing logged.
+                _LOGGER.warning("data port %d: %s; accepting again in 1 s", self.port, e)
+                time.sleep(1.0)
+                continue
+            try:
+                threading.Thread(
+                    target=self._handshake, args=(conn,), name="data-stream-handshake", daemon=True
+                ).start()
+            except RuntimeError as e:  # no thread to spare: refuse this one, keep the port
+                conn.close()
+                _LOGGER.warning("data port %d: %s; connection refused", self.port, e)
 
     def _handshake(self, conn: socket.socket) -> None:
         try:

@@ -17,6 +17,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import weakref
 from pathlib import Path
@@ -82,11 +83,15 @@ def aligned(n: int) -> int:
 class Segment:
     """A mapped segment; `region` and `floats` give views of its bytes (no copy)."""
 
-    def __init__(self, name: str, memory: mmap.mmap, token: bytes) -> None:
+    def __init__(self, name: str, memory: mmap.mmap, token: bytes, fd: int | None = None) -> None:
+        """`fd`: the file of a segment another process created (`open`), kept to check its size."""
         self.name = name
         self.size = len(memory)
         self.token = token
         self._memory = memory
+        self._fd = fd
+        if fd is not None:
+            weakref.finalize(self, os.close, fd)
         self._bytes = np.frombuffer(memory, dtype=np.uint8)
         # None until pin() is asked; then whether CUDA page-locked the segment.
         self.pinned: bool | None = None
@@ -120,21 +125,30 @@ class Segment:
         """Map the segment another process created, checking that its first bytes are `token`."""
         check_name(name)
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
+            # Not through a link: a worker must not make this process write a file elsewhere.
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
-            reason = "not on this host" if e.errno == errno.ENOENT else e.strerror
+            reason = {errno.ENOENT: "not on this host", errno.ELOOP: "a symbolic link"}.get(e.errno, e.strerror)
             raise SegmentError(f"cannot open segment {name}: {reason}") from None
         try:
-            size = os.fstat(fd).st_size
+            status = os.fstat(fd)
+            size = status.st_size
+            if not stat.S_ISREG(status.st_mode):
+                raise SegmentError(f"segment {name} is not a regular file")
             if size < ALIGN:
                 raise SegmentError(f"segment {name} is {size} bytes, too small")
-            memory = mmap.mmap(fd, size)
-        finally:
+            try:
+                memory = mmap.mmap(fd, size)
+            except OSError as e:  # more than the address space or memory limits allow
+                raise SegmentError(f"cannot map segment {name} ({size} bytes): {e.strerror}") from None
+        except SegmentError:
             os.close(fd)
+            raise
         if not hmac.compare_digest(memory[:TOKEN_BYTES], token):
             memory.close()
+            os.close(fd)
             raise SegmentError(f"segment {name}: token does not match")
-        return cls(name, memory, token)
+        return cls(name, memory, token, fd)
 
     def pin(self) -> bool:
         """Page-lock the segment for CUDA (cudaHostRegister), once: copies between it and a GPU
@@ -162,12 +176,17 @@ class Segment:
             pass
 
     def check(self, offset: int, length: int) -> None:
-        """SegmentError unless [offset, offset + length) is an aligned range after the token."""
+        """SegmentError unless [offset, offset + length) is an aligned range after the token, and,
+        for a segment another process created, still within its file: pages the creator cut off
+        (ftruncate) would kill this process with SIGBUS when touched. (A creator that cuts the
+        file between this check and the copy still can: the copy itself is not guarded.)"""
         if offset < ALIGN or offset % ALIGN or length < 0 or offset + length > self.size:
             raise SegmentError(
                 f"region [{offset}, {offset + length}) of segment {self.name} is not an aligned range "
                 f"within [{ALIGN}, {self.size})"
             )
+        if self._fd is not None and (size := os.fstat(self._fd).st_size) < offset + length:
+            raise SegmentError(f"segment {self.name} was cut to {size} bytes by its creator")
 
     def region(self, offset: int, length: int) -> memoryview:
         """Bytes [offset, offset + length), checked."""

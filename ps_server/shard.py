@@ -816,13 +816,21 @@ def _claimed(
     stream: DataStream, direction: str, call: shard_pb2.StreamCall, context: grpc.ServicerContext
 ) -> Iterator[CallSender | CallReceiver]:
     """One direction of the worker's stream ("send": a pull's or an average's payloads; "receive":
-    a push's or a deposit's) for the call, until its deadline; FAILED_PRECONDITION while another
-    call has it or it is closed."""
+    a push's or a deposit's) for the call, until its deadline (at most _MAX_WAIT_S);
+    FAILED_PRECONDITION while another call has it or it is closed."""
     claim = stream.sending if direction == "send" else stream.receiving
-    with claim(call.call, _time_left(context)) as io:
+    with claim(call.call, min(_time_left(context), _MAX_WAIT_S)) as io:
         if io is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"data stream {stream.id} is busy or closed")
-        yield io
+        finished = False
+        # A call that ends before its bytes did (the client cancelled, or left) would leave this
+        # thread blocked on the socket until the deadline: closing the stream fails that read or
+        # write at once (the worker reopens a stream in the background).
+        context.add_callback(lambda: finished or stream.close())
+        try:
+            yield io
+        finally:
+            finished = True
 
 
 def _time_left(context: grpc.ServicerContext) -> float:

@@ -6,6 +6,8 @@ worker's fallback to inline payloads when a stream breaks or a shard has no data
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import struct
 import threading
@@ -831,3 +833,39 @@ def test_a_members_streams_close_when_it_leaves_and_all_when_the_run_closes():
         finally:
             sock0.close()
             sock1.close()
+
+
+def test_a_stream_on_a_descriptor_past_1024_still_tells_whether_it_is_gone():
+    # A shard with many workers' streams has descriptors past 1024, where select() fails: the
+    # check every OpenStream makes (RunState.open_streams) must still work there.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    ours, theirs = socket.socketpair()
+    high = os.dup2(ours.fileno(), 2000)
+    ours.close()
+    stream = DataStream(socket.socket(fileno=high), stream_id=1)
+    try:
+        assert not stream.gone()
+        theirs.close()
+        assert stream.gone()
+    finally:
+        stream.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_cancelled_streamed_push_frees_its_thread_and_closes_the_stream(shards_only):
+    tensors = {"w": torch.zeros(100_000)}  # one 400 KB part: streamed
+    with _Run(shards_only.address, _spec(), tensors) as run:
+        (worker,) = run.workers
+        (p,) = run.placement.parts
+        run.clients[0].register(tensors)
+        stub = run.stub(p.shard)
+        stream_id, sock = run.attach(stub, worker)
+        part = _part(p, streamed=4 * p.count)
+        # The part's bytes never come; the call would hold a shard thread until its hour is up.
+        call = stub.Push.future(iter([_push_request(run.id, worker, 0, part, _call(stream_id, 1))]), timeout=3600)
+        time.sleep(0.5)
+        call.cancel()
+        # The shard closes the stream at once, which ends the read its thread was blocked in.
+        assert _peer_state(sock, timeout_s=5.0) == "closed"
+        assert run.clients[0].pull({"w": torch.zeros(100_000)}) is None  # the shard serves on

@@ -4,6 +4,7 @@ kind of bad region a client could name."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -45,6 +46,31 @@ def test_a_segment_is_shared_by_token_and_checks_its_regions():
     for name in ["gradps-", "other-1", "gradps-../../etc/passwd", "gradps-" + "x" * 101]:
         with pytest.raises(SegmentError, match="bad segment name"):
             Segment.open(name, created.token)
+
+
+def test_a_segment_cut_by_its_creator_or_linked_elsewhere_is_refused(tmp_path):
+    created = Segment.create(1 << 16)
+    try:
+        opened = Segment.open(created.name, created.token)
+        assert len(opened.region(ALIGN, 1 << 16)) == 1 << 16
+        # The creator cuts the file: touching the mapping past the cut would kill this process
+        # with SIGBUS, so the region is refused before anything reads or writes it.
+        os.truncate(shared_memory.SHM_DIR / created.name, 2 * ALIGN)
+        with pytest.raises(SegmentError, match="was cut to"):
+            opened.region(ALIGN, 1 << 16)
+        assert len(opened.region(ALIGN, ALIGN)) == ALIGN  # what is left stays usable
+    finally:
+        created.unlink()
+    # A link in /dev/shm to a file elsewhere that starts with a known token: not followed.
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(created.token + bytes(2 * ALIGN))
+    link = shared_memory.SHM_DIR / f"{shared_memory.name_prefix()}link"
+    link.symlink_to(victim)
+    try:
+        with pytest.raises(SegmentError, match="a symbolic link"):
+            Segment.open(link.name, created.token)
+    finally:
+        link.unlink()
 
 
 def test_segments_left_by_dead_creators_are_removed(tmp_path, monkeypatch):
