@@ -94,7 +94,7 @@ class RunState:
     ended: bool = False
 
     @classmethod
-    def open(cls, request: shard_pb2.OpenRunRequest, device: torch.device) -> RunState:
+    def open(cls, request: shard_pb2.OpenRunRequest, device: torch.device, updates_per_step: float = 1.0) -> RunState:
         """Allocate zeroed parts for every part the placement gives this shard."""
         parts = {}
         for p in request.placement.parts:
@@ -109,8 +109,11 @@ class RunState:
             device=device,
             total_steps=request.total_steps,
             parts=parts,
+            # The schedule runs over the updates each part will get (ShardRule.updates_per_step).
             optimizer=ShardOptimizer(
-                {key: part.values for key, part in parts.items()}, request.spec.optimizer, request.total_steps
+                {key: part.values for key, part in parts.items()},
+                request.spec.optimizer,
+                round(request.total_steps * updates_per_step),
             ),
             workers=frozenset(request.workers),
             live_workers=set(request.workers),

@@ -112,8 +112,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             found = self._runs.get(request.run_id)
         if found is None:
             try:
-                run = RunState.open(request, self.device)
-                rule = RULES[request.spec.scheme](run)
+                rule_type = RULES[request.spec.scheme]
+                per_step = rule_type.updates_per_step(request.spec, len(request.workers))
+                run = RunState.open(request, self.device, per_step)
+                rule = rule_type(run)
             except ValueError as e:  # what torch's optimizers refuse (betas, eps out of range)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"run {request.run_id!r}: {_one_line(e)}")
             except (RuntimeError, MemoryError) as e:  # the parts do not fit the device

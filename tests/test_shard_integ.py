@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import grpc
@@ -325,5 +326,28 @@ def test_a_group_average_moves_large_and_batched_small_parts(shards_only, transp
                 list(stub.GroupAverage(iter([streamed])))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "is streamed, but the call has no stream" in err.value.details()
+    finally:
+        leave(sessions, clients)
+
+
+def test_asgd_schedule_spans_every_workers_updates(shards_only):
+    # Under asgd each of P workers' pushes is an update of every part, so a cosine schedule over
+    # the run's 100 steps per worker spans 2 x 100 updates with 2 workers (it reached lr 0 after
+    # the first 100, half the run, before).
+    spec = run_pb2.RunSpec(
+        scheme="asgd", workers=2, steps=100, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=1.0, schedule="cosine")
+    )
+    tensors = {"w": torch.zeros(8)}
+    run_id, sessions, clients, _ = join_run(shards_only.address, spec, tensors, n_workers=2)  # 100 steps
+    try:
+        clients[0].register(tensors)
+        ones, pulled = {"w": torch.ones(8)}, {"w": torch.zeros(8)}
+        for step in range(99):
+            clients[step % 2].push(ones, step // 2)
+        clients[0].pull(pulled)
+        before = pulled["w"][0].item()
+        clients[1].push(ones, 99)  # the 100th update: half way through 200
+        clients[0].pull(pulled)
+        assert before - pulled["w"][0].item() == pytest.approx(0.5 * (1 + math.cos(math.pi * 99 / 200)), rel=1e-5)
     finally:
         leave(sessions, clients)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from gradps.placement import PartKey
+from gradps.v1 import run_pb2
 from ps_server.run_state import Part, Push
 from ps_server.schemes.base import ShardRule
 
@@ -28,6 +29,12 @@ class AsgdRule(ShardRule):
         # DC-ASGD: the weights each worker last pulled (its "backup" in the paper).
         self.pulled: dict[int, dict[PartKey, torch.Tensor]] = {}
         self.mean_square: dict[PartKey, torch.Tensor] = {}
+
+    @staticmethod
+    def updates_per_step(spec: run_pb2.RunSpec, workers: int) -> float:
+        # Every worker's push is an update: a cosine schedule over one worker's steps reached 0
+        # after 1/P of the run.
+        return workers / max(1, spec.scheme_params.n_push)
 
     def on_pull(self, worker_id: int, parts: list[Part]) -> None:
         if self.dc_lambda:

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from gradps.placement import PartKey
-from gradps.v1 import shard_pb2
+from gradps.v1 import run_pb2, shard_pb2
 from ps_server.run_state import Part, Push, PushRejected, RunState, Wait
 
 
@@ -24,6 +24,12 @@ class ShardRule(ABC):
 
     def __init__(self, run: RunState) -> None:
         self.run = run
+
+    @staticmethod
+    def updates_per_step(spec: run_pb2.RunSpec, workers: int) -> float:
+        """Updates each part gets per step of a worker: the learning-rate schedule counts a part's
+        updates, so its horizon is the run's steps times this (one mean per step by default)."""
+        return 1.0
 
     @abstractmethod
     def push(self, push: Push) -> int:
