@@ -76,7 +76,7 @@ def check_tensors(tensors: list[tensor_pb2.TensorSpec], part_size: int) -> None:
             raise ValueError(f"tensor names must be unique; {shown} appears twice")
         seen.add(spec.name)
         if spec.dtype != PARAMETER_DTYPE:
-            raise ValueError(f"tensor {shown}: dtype {_dtype_name(spec.dtype)}; parameters are DTYPE_FLOAT32")
+            raise ValueError(f"tensor {shown}: dtype {dtype_name(spec.dtype)}; parameters are DTYPE_FLOAT32")
         if any(d > MAX_TENSOR_ELEMENTS for d in spec.shape) or numel(spec) > MAX_TENSOR_ELEMENTS:
             raise ValueError(f"tensor {shown}: more than 2^40 elements")
         count = max(1, -(-numel(spec) // max(1, part_size // ITEMSIZE[spec.dtype])))
@@ -131,5 +131,7 @@ def _shown(name: str) -> str:
     return repr(name if len(name) <= 80 else name[:80] + "...")
 
 
-def _dtype_name(dtype: int) -> str:
+def dtype_name(dtype: int) -> str:
+    """The DType enum's name for `dtype`, or the number when it has none (a message must not fail
+    on the value it reports)."""
     return tensor_pb2.DType.Name(dtype) if dtype in tensor_pb2.DType.values() else str(dtype)

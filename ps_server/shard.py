@@ -42,6 +42,7 @@ from gradps.codecs import (
 from gradps.codecs.base import require_finite
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
 from gradps.device import device_option
+from gradps.placement import dtype_name
 from gradps.shared_memory import RegionWriter, Segment, SegmentError, check_name
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.optimizer import validate as validate_optimizer
@@ -506,7 +507,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         if msg.dtype != tensor_pb2.DTYPE_FLOAT32:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"part {msg.name}/{msg.index}: dtype {_dtype_name(msg.dtype)}, expected DTYPE_FLOAT32",
+                f"part {msg.name}/{msg.index}: dtype {dtype_name(msg.dtype)}, expected DTYPE_FLOAT32",
             )
         if msg.offset != part.offset or msg.count != part.count:
             context.abort(
@@ -711,11 +712,6 @@ def _pulled(
             grpc.StatusCode.OUT_OF_RANGE,
             f"part {name}: its {what} (|value| up to {peak:g}) do not fit {_codec_name(codec)}; pull with codec none",
         )
-
-
-def _dtype_name(dtype: int) -> str:
-    """The DType enum's name for `dtype`, or the number when it has none."""
-    return tensor_pb2.DType.Name(dtype) if dtype in tensor_pb2.DType.values() else str(dtype)
 
 
 def _codec_name(params: tensor_pb2.CodecParams) -> str:
