@@ -37,6 +37,10 @@ TOKEN_BYTES = 16
 # A connection must present its token this soon after connecting, and the worker's token is
 # valid this long after OpenStream answered.
 HANDSHAKE_S = 10.0
+# Connections that have not presented their token yet, each with a thread: beyond this many, new
+# ones are refused (their workers send payloads inline), so that connections that trickle their
+# token, or never send it, cannot take a shard's threads and descriptors without bound.
+MAX_HANDSHAKES = 64
 # Socket buffers and the largest single send or receive: big, so that Python's per-call cost
 # vanishes (the same as the TCP reference of `gradps bench transport`).
 SOCKET_BUFFER = 4 << 20
@@ -238,6 +242,7 @@ class StreamListener:
         self._pending: dict[bytes, tuple[float, int, Callable[[DataStream], bool]]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         threading.Thread(target=self._accept, name="data-streams", daemon=True).start()
 
     def expect(self, attach: Callable[[DataStream], bool]) -> tuple[bytes, int]:
@@ -264,22 +269,29 @@ class StreamListener:
                 _LOGGER.warning("data port %d: %s; accepting again in 1 s", self.port, e)
                 time.sleep(1.0)
                 continue
+            if not self._handshakes.acquire(blocking=False):
+                conn.close()
+                _LOGGER.warning(
+                    "data port %d: %d connections without a token yet; one refused", self.port, MAX_HANDSHAKES
+                )
+                continue
             try:
                 threading.Thread(
                     target=self._handshake, args=(conn,), name="data-stream-handshake", daemon=True
                 ).start()
             except RuntimeError as e:  # no thread to spare: refuse this one, keep the port
+                self._handshakes.release()
                 conn.close()
                 _LOGGER.warning("data port %d: %s; connection refused", self.port, e)
 
     def _handshake(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(HANDSHAKE_S)
-            token = bytearray(TOKEN_BYTES)
-            recv_exact(conn, memoryview(token))
+            token = self._token(conn)
         except (OSError, StreamError):
             conn.close()
             return
+        finally:
+            self._handshakes.release()
         now = time.monotonic()
         with self._lock:
             found = next((t for t in self._pending if hmac.compare_digest(t, bytes(token))), None)
@@ -298,6 +310,21 @@ class StreamListener:
             conn.sendall(_ATTACHED)
         except OSError:
             stream.close()
+
+    @staticmethod
+    def _token(conn: socket.socket) -> bytes:
+        """The token a new connection presents, within HANDSHAKE_S in all (a byte at a time must
+        not stretch it): TimeoutError, or StreamError if it closes first."""
+        deadline = time.monotonic() + HANDSHAKE_S
+        token = bytearray(TOKEN_BYTES)
+        view, got = memoryview(token), 0
+        while got < TOKEN_BYTES:
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            n = conn.recv_into(view[got:])
+            if n == 0:
+                raise StreamError("closed before its token")
+            got += n
+        return bytes(token)
 
     def close(self) -> None:
         """Stop accepting: shut down first, or the thread blocked in accept() keeps the port."""

@@ -6,6 +6,7 @@ worker's fallback to inline payloads when a stream breaks or a shard has no data
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import socket
@@ -406,6 +407,32 @@ def test_a_closed_listener_accepts_no_connection():
     time.sleep(0.1)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((HOST, listener.port), timeout=2).close()
+
+
+def test_connections_without_a_token_are_bounded_in_number_and_time(monkeypatch):
+    monkeypatch.setattr(data_stream, "HANDSHAKE_S", 1.0)
+    listener = StreamListener(0)
+    idle: list[socket.socket] = []
+    try:
+        # A token trickled a byte at a time has HANDSHAKE_S in all, not per byte.
+        trickle = socket.create_connection((HOST, listener.port), timeout=5)
+        idle.append(trickle)
+        start = time.monotonic()
+        with contextlib.suppress(OSError):
+            for _ in range(data_stream.TOKEN_BYTES):
+                trickle.sendall(b"x")
+                time.sleep(0.3)
+        assert _peer_closed(trickle) and time.monotonic() - start < 3.5
+        # Connections that send nothing take at most MAX_HANDSHAKES threads: the next is refused.
+        idle += [socket.create_connection((HOST, listener.port)) for _ in range(data_stream.MAX_HANDSHAKES)]
+        time.sleep(0.3)
+        extra = socket.create_connection((HOST, listener.port))
+        idle.append(extra)
+        assert _peer_state(extra, timeout_s=0.9) == "closed"
+    finally:
+        listener.close()
+        for sock in idle:
+            sock.close()
 
 
 # --- 4. bad streamed pushes -------------------------------------------------------------------------
