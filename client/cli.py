@@ -241,8 +241,8 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
         alive = sum(w.alive for w in client.cluster().workers)
         if alive < spec.workers:
             click.echo(
-                f"the cluster has {alive} live worker{'s' * (alive != 1)}; this run needs {spec.workers} and "
-                "waits until they join (Ctrl-C stops it)",
+                f"the cluster has {_count(alive, 'live worker')}; this run needs {spec.workers} and waits until "
+                "they join (Ctrl-C stops it)",
                 err=True,
             )
         run_id = client.submit(spec)

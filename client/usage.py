@@ -61,7 +61,7 @@ def output_file(ctx: click.Context, param: click.Parameter, path: Path | None) -
     if path.is_dir():
         raise click.BadParameter(f"{path} is a folder", ctx, param)
     try:
-        make_dir(path.parent if str(path.parent) else Path("."))
+        make_dir(path.parent)
     except click.ClickException as e:
         raise click.BadParameter(e.message, ctx, param) from None
     return path
