@@ -34,7 +34,7 @@ from gradps.codecs import (
     decode_summand,
     encode_part,
     format_codec,
-    get_codec,
+    get_pull_codec,
     is_plain,
     max_wire_bytes,
     plain_payload,
@@ -61,7 +61,6 @@ _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 # PushRequest.part, PullResponse.part, RegisterTensorsRequest.part and GroupAverageResponse.part
 # (gradps/v1/shard.proto).
 _PUSH_PART_FIELD, _PULL_PART_FIELD, _REGISTER_PART_FIELD, _AVERAGE_PART_FIELD = 4, 1, 2, 1
-_PULL_CODECS = (tensor_pb2.CODEC_UNSPECIFIED, tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
 # A worker maps one segment per client of a run (see gpu_worker/ps_client.py); a few spare.
 _MAX_SEGMENTS_PER_WORKER = 4
 # Likewise data streams.
@@ -219,12 +218,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def Pull(self, request, context) -> Iterator[shard_pb2.PullResponse]:
         run, rule = self._run(request.run_id, context)
-        if request.codec.codec not in _PULL_CODECS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pull codec must be none, fp16 or bf16")
         try:
-            get_codec(request.codec)  # its parameters, as a push's are checked
+            get_pull_codec(request.codec)
         except CodecError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pull codec: {e}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.parts:
             parts = []
             for ref in request.parts:

@@ -13,7 +13,7 @@ import torch
 from gradps.codecs.base import Buffer, Codec, CodecError, check_count, flat_float32
 from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4, unwrap
-from gradps.codecs.registry import format_codec, get_codec, parse_codec
+from gradps.codecs.registry import format_codec, get_codec, get_pull_codec, parse_codec
 from gradps.codecs.sparse import SparseCodec, SparsePart
 from gradps.v1 import tensor_pb2
 
@@ -30,6 +30,7 @@ __all__ = [
     "encode_part",
     "format_codec",
     "get_codec",
+    "get_pull_codec",
     "is_plain",
     "max_wire_bytes",
     "maybe_lz4",

@@ -53,6 +53,22 @@ def get_codec(params: tensor_pb2.CodecParams, *, generator: torch.Generator | No
     return factory(params, generator)
 
 
+# What a pull may ask the weights in: dense codecs without error feedback (the shard keeps none
+# per worker), so the values arrive whole.
+_PULL = (tensor_pb2.CODEC_NONE, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16)
+
+
+def get_pull_codec(params: tensor_pb2.CodecParams) -> Codec:
+    """`get_codec` for a pull (PullRequest.codec, RunSpec.pull_codec): CodecError, its message
+    one line that starts with "pull codec", unless `params` is none, fp16 or bf16 and valid."""
+    if (params.codec or tensor_pb2.CODEC_NONE) not in _PULL:
+        raise CodecError("pull codec must be none, fp16 or bf16")
+    try:
+        return get_codec(params)
+    except CodecError as e:
+        raise CodecError(f"pull codec: {e}") from None
+
+
 def parse_codec(text: str) -> tensor_pb2.CodecParams:
     """Parse a CLI codec string: "none", "fp16", "bf16", "int8", "int8:stochastic", "topk:0.01",
     "randk:0.05" or "sign". Raises ValueError with the accepted forms on anything else."""
