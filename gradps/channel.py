@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 
@@ -147,6 +149,26 @@ def log_level_option(fn: Callable) -> Callable:
         default="INFO",
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     )(fn)
+
+
+def wait_for_call(
+    cond: threading.Condition,
+    ready: Callable[[], bool],
+    timeout_s: float,
+    context: grpc.ServicerContext,
+    slice_s: float = 0.25,
+) -> bool:
+    """`cond.wait_for(ready, timeout_s)` for a handler (`cond` held) that also gives up, False, once
+    its call ended (the client cancelled, or the call's deadline passed): it wakes every `slice_s`
+    to look, so a server thread never waits out a long poll for a client that is gone."""
+    end = time.monotonic() + timeout_s
+    while not ready():
+        remaining = context.time_remaining()
+        left = min(end - time.monotonic(), math.inf if remaining is None else remaining)
+        if left <= 0 or not context.is_active():
+            return False
+        cond.wait(min(slice_s, left))
+    return True
 
 
 def serve_until_signal(server: grpc.Server) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import threading
 import time
@@ -24,6 +23,7 @@ from gradps.channel import (
     port_file_option,
     port_option,
     serve_until_signal,
+    wait_for_call,
     write_port_file,
 )
 from gradps.placement import place
@@ -216,7 +216,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def GetAssignment(self, request, context):
         wait_s = min(request.wait_ms / 1000, _MAX_ASSIGNMENT_WAIT_S) if request.wait_ms else _DEFAULT_ASSIGNMENT_WAIT_S
-        deadline = time.monotonic() + wait_s
         with self._cond:
             if request.worker_id not in self._workers:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}; join first")
@@ -225,13 +224,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 w = self._workers[request.worker_id]
                 return bool(w.run_id) or not w.alive
 
-            # In slices: a caller that gave up (cancelled, or past its own deadline) frees the thread.
-            while not assigned() and context.is_active():
-                remaining = context.time_remaining()
-                left = min(deadline - time.monotonic(), math.inf if remaining is None else remaining)
-                if left <= 0:
-                    break
-                self._cond.wait_for(assigned, timeout=min(left, _WAIT_SLICE_S))
+            wait_for_call(self._cond, assigned, wait_s, context, _WAIT_SLICE_S)
             worker = self._workers[request.worker_id]
             if not worker.run_id or not context.is_active():
                 return cpb.GetAssignmentResponse()

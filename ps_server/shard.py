@@ -26,6 +26,7 @@ from gradps.channel import (
     port_file_option,
     port_option,
     serve_until_signal,
+    wait_for_call,
     write_port_file,
 )
 from gradps.codecs import (
@@ -657,25 +658,26 @@ def _check_step(run: RunState, step: int, context: grpc.ServicerContext) -> None
 
 
 def _waiter(run: RunState, context: grpc.ServicerContext) -> Wait:
-    """How a call waits on `run.cond` (held): in slices, so that a call whose client cancelled or
-    whose deadline passed frees its thread at once (CallEnded) rather than after its whole wait,
-    and a run ended or closed meanwhile ends the wait (PushRejected)."""
+    """How a call waits on `run.cond` (held): `wait_for_call`, so that a call whose client
+    cancelled or whose deadline passed frees its thread at once (CallEnded, saying which) rather
+    than after its whole wait, and a run ended or closed meanwhile ends the wait (PushRejected)."""
+
+    def ready_or_over(ready) -> bool:
+        if ready():
+            return True
+        if run.closed or run.ended:
+            raise PushRejected(f"run {run.run_id!r} {'was closed on this shard' if run.closed else 'ended'}")
+        return False
 
     def wait(ready, timeout_s: float) -> bool:
-        end = time.monotonic() + timeout_s
-        while not ready():
-            if run.closed or run.ended:
-                raise PushRejected(f"run {run.run_id!r} {'was closed on this shard' if run.closed else 'ended'}")
-            if not context.is_active():
-                raise CallEnded("the call was cancelled", deadline=False)
-            left = end - time.monotonic()
-            remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:
-                raise CallEnded("the call's deadline passed", deadline=True)
-            if left <= 0:
-                return False
-            run.cond.wait(min(_WAIT_SLICE_S, left, _DEFAULT_WAIT_S if remaining is None else remaining))
-        return True
+        if wait_for_call(run.cond, lambda: ready_or_over(ready), timeout_s, context, _WAIT_SLICE_S):
+            return True
+        if not context.is_active():
+            raise CallEnded("the call was cancelled", deadline=False)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise CallEnded("the call's deadline passed", deadline=True)
+        return False
 
     return wait
 
