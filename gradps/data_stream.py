@@ -59,10 +59,14 @@ def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock`; StreamError if the peer closes first."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from `sock`; StreamError if the peer closes first. With `deadline` (a
+    time.monotonic() value) the whole fill must end by then (TimeoutError), however the peer
+    spreads its bytes; without, each receive has the socket's timeout."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
         n = sock.recv_into(view[got:], min(len(view) - got, SOCKET_BUFFER))
         if n == 0:
             raise StreamError("the peer closed the data stream")
@@ -285,8 +289,9 @@ class StreamListener:
                 _LOGGER.warning("data port %d: %s; connection refused", self.port, e)
 
     def _handshake(self, conn: socket.socket) -> None:
-        try:
-            token = self._token(conn)
+        token = bytearray(TOKEN_BYTES)
+        try:  # within HANDSHAKE_S in all: a token sent a byte at a time must not stretch it
+            recv_exact(conn, memoryview(token), deadline=time.monotonic() + HANDSHAKE_S)
         except (OSError, StreamError):
             conn.close()
             return
@@ -310,21 +315,6 @@ class StreamListener:
             conn.sendall(_ATTACHED)
         except OSError:
             stream.close()
-
-    @staticmethod
-    def _token(conn: socket.socket) -> bytes:
-        """The token a new connection presents, within HANDSHAKE_S in all (a byte at a time must
-        not stretch it): TimeoutError, or StreamError if it closes first."""
-        deadline = time.monotonic() + HANDSHAKE_S
-        token = bytearray(TOKEN_BYTES)
-        view, got = memoryview(token), 0
-        while got < TOKEN_BYTES:
-            conn.settimeout(max(0.001, deadline - time.monotonic()))
-            n = conn.recv_into(view[got:])
-            if n == 0:
-                raise StreamError("closed before its token")
-            got += n
-        return bytes(token)
 
     def close(self) -> None:
         """Stop accepting: shut down first, or the thread blocked in accept() keeps the port."""
