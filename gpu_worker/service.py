@@ -16,7 +16,7 @@ import torch
 from gpu_worker.ps_client import TRANSPORTS
 from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
 from gpu_worker.trainer import Trainer
-from gradps.channel import log_level_option
+from gradps.channel import coordinator_option, log_level_option
 from gradps.datasets import ShardSampler, load_dataset
 from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
@@ -153,9 +153,7 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--coordinator", envvar="GRADPS_COORDINATOR", show_envvar=True, required=True, help="Coordinator HOST:PORT."
-)
+@coordinator_option
 @device_option("Where the model trains (auto: CUDA when present).", envvar="GRADPS_DEVICE")
 @click.option(
     "--name", envvar="GRADPS_WORKER_NAME", show_envvar=True, default=None, help="Name shown in `gradps status`."

@@ -121,6 +121,13 @@ def port_option(default: int) -> Callable:
     )
 
 
+def coordinator_option(fn: Callable) -> Callable:
+    """A shard's or worker's `--coordinator` (GRADPS_COORDINATOR): HOST:PORT, required."""
+    return click.option(
+        "--coordinator", envvar="GRADPS_COORDINATOR", show_envvar=True, required=True, help="Coordinator HOST:PORT."
+    )(fn)
+
+
 def _port_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
     folder = os.path.dirname(path or "") or "."
     if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):

@@ -6,7 +6,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import click
@@ -20,6 +20,7 @@ from gradps.channel import (
     MAX_PART_BYTES,
     add_health,
     bind,
+    coordinator_option,
     log_level_option,
     make_server,
     open_channel,
@@ -155,11 +156,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def SetMembership(self, request, context):
         run, rule = self._run(request.run_id, context)
-        strangers = sorted(set(request.live_workers) - run.workers)
-        if strangers:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"workers {strangers} are not workers of run {request.run_id!r}"
-            )
+        _check_workers(run, request.live_workers, "workers", context)
         # The coordinator counts one epoch per worker that leaves (the live set only shrinks): a
         # run of N workers has at most N. A larger one would lock every later change out.
         if request.epoch > len(run.workers):
@@ -434,12 +431,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     run, rule = self._run(request.run_id, context)
                     header = _round_of(request)
                     _check_step(run, request.step, context)
-                    strangers = sorted(set(request.members) - run.workers)
-                    if strangers:
-                        context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"members {strangers} are not workers of run {request.run_id!r}",
-                        )
+                    _check_workers(run, request.members, "members", context)
                     if request.HasField("into"):  # checked before any wait, like a pull's
                         into = self._writer(run, request, context)
                     if request.HasField("stream"):
@@ -655,6 +647,12 @@ def _check_step(run: RunState, step: int, context: grpc.ServicerContext) -> None
     (asgd's final push, wagma's final global round) is at step total_steps."""
     if run.total_steps and step > run.total_steps:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {step} is beyond the run's {run.total_steps} steps")
+
+
+def _check_workers(run: RunState, ids: Iterable[int], what: str, context: grpc.ServicerContext) -> None:
+    """INVALID_ARGUMENT unless every one of `ids` (a membership, a group) is a worker of the run."""
+    if strangers := sorted(set(ids) - run.workers):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} {strangers} are not workers of run {run.run_id!r}")
 
 
 def _waiter(run: RunState, context: grpc.ServicerContext) -> Wait:
@@ -876,9 +874,7 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
     type=click.IntRange(-1, 65535),
     help="Port for workers' data streams (payloads as raw TCP beside gRPC; 0: any free, -1: none).",
 )
-@click.option(
-    "--coordinator", envvar="GRADPS_COORDINATOR", show_envvar=True, required=True, help="Coordinator HOST:PORT."
-)
+@coordinator_option
 @click.option(
     "--advertise-host",
     envvar="GRADPS_ADVERTISE_HOST",
