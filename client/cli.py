@@ -1,12 +1,13 @@
-"""The `gradps` command line: train, up, status, runs, stop, export."""
+"""The `gradps` command line: train, up, status, runs, stop, export, compare and bench."""
 
 from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -14,30 +15,32 @@ from rich.table import Column, Table
 
 from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
-from client.sdk import Client
+from client.sdk import Client, run_spec
 from client.usage import FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
-from gpu_worker.ps_client import TRANSPORTS
-from gradps.codecs import parse_codec
+from gradps.codecs import codec_syntax, parse_codec
 from gradps.device import device_option, resolve_option
+from gradps.parameter_client import TRANSPORTS
+from gradps.run_spec import default_spec
+from gradps.schemes import PARAMS, SCHEMES, Param, schemes_of
 from gradps.v1 import coordinator_pb2 as cpb
-from gradps.v1 import run_pb2
-from ps_server.run_spec import validate, with_defaults
+from gradps.v1 import run_pb2, tensor_pb2
 
-SCHEMES = ["sync", "asgd", "ssp", "wagma", "pseudosync"]
+_DEFAULTS = default_spec()
+F = TypeVar("F", bound=Callable[..., Any])
 # The RunSpec's integer fields: a larger value is a usage error naming its option, not protobuf's
 # "Value out of range".
 UINT32, UINT64 = 2**32 - 1, 2**64 - 1
 _CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
-def _codec(ctx, param, value: str):
+def _codec(ctx: click.Context, param: click.Parameter, value: str) -> tensor_pb2.CodecParams:
     try:
         return parse_codec(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
 
 
-def _straggler(ctx, param, value: str | None) -> tuple[int, float] | None:
+def _straggler(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, float] | None:
     if not value:
         return None
     try:
@@ -50,67 +53,66 @@ def _straggler(ctx, param, value: str | None) -> tuple[int, float] | None:
     return parsed
 
 
-def spec_options(fn):
-    """The options that define a run, shared by `train` and `compare`."""
+def _scheme_option(param: Param) -> Callable[[F], F]:
+    """The option of one SchemeParams field, from its registration."""
+    flag, text = "--" + param.name.replace("_", "-"), f"{'/'.join(schemes_of(param))}: {param.help}"
+    if param.type is bool:
+        return click.option(flag, is_flag=True, default=param.default, help=text)
+    if param.type is int:
+        kind: click.ParamType = click.IntRange(param.low, param.high, min_open=param.low_open)
+    else:
+        kind = FiniteFloat(param.low, param.high, min_open=param.low_open)
+    return click.option(flag, default=param.default, type=kind, help=text)
+
+
+def spec_options(fn: F) -> F:
+    """The options that define a run, shared by `train` and `compare`; defaults are the SDK's
+    (`gradps.run_spec.default_spec`), scheme options come from the scheme registry."""
+    d, opt = _DEFAULTS, _DEFAULTS.optimizer
     options = [
-        click.option("--model", default="mlp", help="mlp, cnn, resnet18, transformer or package.module:function."),
+        click.option("--model", default=d.model, help="mlp, cnn, resnet18, transformer or package.module:function."),
         click.option(
-            "--dataset", default="digits", help="digits, synthetic-images, synthetic-tokens or an import path."
+            "--dataset", default=d.dataset, help="digits, synthetic-images, synthetic-tokens or an import path."
         ),
         click.option(
             "--dataset-size", default=0, type=click.IntRange(min=0, max=UINT64), help="Samples for synthetic datasets."
         ),
-        click.option("--optimizer", default="sgd", type=click.Choice(["sgd", "adam", "adamw"])),
-        click.option("--lr", default=0.2, type=FiniteFloat(min=0, min_open=True)),
+        click.option("--optimizer", default=opt.name, type=click.Choice(["sgd", "adam", "adamw"])),
+        click.option("--lr", default=opt.lr, type=FiniteFloat(min=0, min_open=True)),
         click.option("--momentum", default=0.0, type=FiniteFloat(min=0)),
         click.option("--nesterov", is_flag=True),
         click.option("--weight-decay", default=0.0, type=FiniteFloat(min=0)),
-        click.option("--schedule", default="constant", type=click.Choice(["constant", "step", "cosine"])),
+        click.option("--schedule", default=opt.schedule, type=click.Choice(["constant", "step", "cosine"])),
         click.option(
             "--step-size",
             default=0,
             type=click.IntRange(min=0, max=UINT64),
             help="step schedule: decay the lr every N updates.",
         ),
-        click.option("--gamma", default=0.1, type=FiniteFloat(0, 1, min_open=True), help="step schedule: lr factor."),
+        click.option(
+            "--gamma", default=opt.gamma, type=FiniteFloat(0, 1, min_open=True), help="step schedule: lr factor."
+        ),
         click.option("--warmup-steps", default=0, type=click.IntRange(min=0, max=UINT64)),
-        click.option("--batch-size", default=32, type=click.IntRange(min=1, max=UINT32)),
+        click.option("--batch-size", default=d.batch_size, type=click.IntRange(min=1, max=UINT32)),
         click.option(
             "--steps", default=0, type=click.IntRange(min=0, max=UINT64), help="Steps per worker (0: use --epochs)."
         ),
-        click.option("--epochs", default=50.0, type=FiniteFloat(min=0, min_open=True)),
+        click.option("--epochs", default=d.epochs, type=FiniteFloat(min=0, min_open=True)),
         click.option("--seed", default=0, type=click.IntRange(min=0, max=UINT64)),
+        click.option("--codec", default="none", callback=_codec, help=f"Gradient codec: {codec_syntax()}."),
         click.option(
-            "--codec",
-            default="none",
-            callback=_codec,
-            help="Gradient codec: none, fp16, bf16, int8, int8:stochastic, topk:R, randk:R, sign.",
+            "--pull-codec", default="none", callback=_codec, help=f"Weights codec: {codec_syntax(pull=True)}."
         ),
-        click.option("--pull-codec", default="none", callback=_codec, help="Weights codec: none, fp16, bf16."),
         click.option(
             "--eval-every",
-            default=50,
+            default=d.eval_every,
             type=click.IntRange(min=0, max=UINT32),
             help="Evaluate every K steps (0: only at the end).",
         ),
         click.option(
-            "--part-size", default=4 * 1024 * 1024, type=click.IntRange(min=1, max=UINT64), help="Bytes per part."
+            "--part-size", default=d.part_size, type=click.IntRange(min=1, max=UINT64), help="Bytes per part."
         ),
-        click.option("--n-push", default=1, type=click.IntRange(min=1, max=UINT32), help="asgd: push every N steps."),
-        click.option("--n-fetch", default=1, type=click.IntRange(min=1, max=UINT32), help="asgd: fetch every N steps."),
-        click.option("--staleness-lr", is_flag=True, help="asgd/ssp: lr / max(1, staleness)."),
-        click.option("--dc-lambda", default=0.0, type=FiniteFloat(min=0), help="asgd/ssp: DC-ASGD lambda."),
-        click.option("--dc-adaptive", is_flag=True, help="asgd/ssp: adaptive DC-ASGD lambda."),
-        click.option("--staleness", default=2, type=click.IntRange(min=0, max=UINT32), help="ssp: staleness bound s."),
-        click.option(
-            "--group-size", default=0, type=click.IntRange(min=0, max=UINT32), help="wagma: group size (0: ~sqrt(P))."
-        ),
-        click.option(
-            "--tau", default=10, type=click.IntRange(min=1, max=UINT32), help="wagma: global average every tau steps."
-        ),
-        click.option("--alpha", default=0.5, type=FiniteFloat(0, 1, min_open=True), help="pseudosync: initial a."),
-        click.option("--alpha-min", default=0.1, type=FiniteFloat(0, 1, min_open=True), help="pseudosync: min a."),
-        click.option("--fixed-alpha", is_flag=True, help="pseudosync: keep a fixed (no adaptation)."),
+        *(_scheme_option(param) for param in PARAMS.values()),
         click.option(
             "--straggler", default=None, callback=_straggler, help="RANK:FACTOR: that worker is FACTOR times slower."
         ),
@@ -123,57 +125,15 @@ def spec_options(fn):
     return fn
 
 
-def build_spec(scheme: str, workers: int, **o) -> run_pb2.RunSpec:
-    """A RunSpec from the CLI's options, checked as the coordinator will check it: a bad
-    combination is a usage error now, not after an embedded cluster has started."""
-    straggler = o.get("straggler")
-    spec = run_pb2.RunSpec(
-        model=o["model"],
-        dataset=o["dataset"],
-        dataset_size=o["dataset_size"],
-        scheme=scheme,
-        scheme_params=run_pb2.SchemeParams(
-            n_push=o["n_push"],
-            n_fetch=o["n_fetch"],
-            staleness_lr=o["staleness_lr"],
-            dc_lambda=o["dc_lambda"],
-            dc_adaptive=o["dc_adaptive"],
-            staleness=o["staleness"],
-            group_size=o["group_size"],
-            tau=o["tau"],
-            alpha=o["alpha"],
-            alpha_min=o["alpha_min"],
-            fixed_alpha=o["fixed_alpha"],
-        ),
-        optimizer=run_pb2.OptimizerSpec(
-            name=o["optimizer"],
-            lr=o["lr"],
-            momentum=o["momentum"],
-            nesterov=o["nesterov"],
-            weight_decay=o["weight_decay"],
-            schedule=o["schedule"],
-            step_size=o["step_size"],
-            gamma=o["gamma"],
-            warmup_steps=o["warmup_steps"],
-        ),
-        batch_size=o["batch_size"],
-        steps=o["steps"],
-        epochs=o["epochs"],
-        seed=o["seed"],
-        codec=o["codec"],
-        pull_codec=o["pull_codec"],
-        eval_every=o["eval_every"],
-        workers=workers,
-        part_size=o["part_size"],
-        straggler_rank=straggler[0] if straggler else 0,
-        straggler_factor=straggler[1] if straggler else 0.0,
-        jitter=o["jitter"],
-    )
+def build_spec(scheme: str, workers: int, **o: Any) -> run_pb2.RunSpec:
+    """The CLI's options as `client.sdk.run_spec` builds them, checked as the coordinator will
+    check them: a bad combination is a usage error now, not after an embedded cluster has started."""
+    straggler = o.pop("straggler", None)
+    rank, factor = straggler or (0, 0.0)
     try:
-        validate(with_defaults(spec))
+        return run_spec(scheme, workers=workers, straggler_rank=rank, straggler_factor=factor, **o)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    return spec
 
 
 @click.group(context_settings=_CONTEXT)
@@ -181,7 +141,7 @@ def cli() -> None:
     """gradps: a sharded parameter server for data-parallel training."""
 
 
-def _transport_option(fn, applies: str = "--local: "):
+def _transport_option(fn: F, applies: str = "--local: ") -> F:
     return click.option(
         "--transport",
         type=click.Choice(TRANSPORTS),
@@ -191,7 +151,7 @@ def _transport_option(fn, applies: str = "--local: "):
     )(fn)
 
 
-def _cluster_options(fn):
+def _cluster_options(fn: F) -> F:
     fn = _transport_option(fn)
     fn = device_option("--local: where shards and workers compute (auto: CUDA when present).", resolve=False)(fn)
     fn = click.option("--heartbeat-timeout", default=5.0, type=FiniteFloat(min=0.1), help="--local: seconds.")(fn)
@@ -207,8 +167,13 @@ def _cluster_options(fn):
 
 @cli.command(context_settings=_CONTEXT)
 @_cluster_options
-@click.option("--scheme", default="sync", type=click.Choice(SCHEMES), help="Consistency scheme.")
-@click.option("--workers", default=2, type=click.IntRange(min=1))
+@click.option(
+    "--scheme",
+    default=_DEFAULTS.scheme,
+    type=click.Choice(list(SCHEMES)),
+    help="Consistency scheme: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ".",
+)
+@click.option("--workers", default=_DEFAULTS.workers, type=click.IntRange(min=1))
 @spec_options
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Run folder (default runs/<run-id>)."
@@ -216,7 +181,17 @@ def _cluster_options(fn):
 @click.option("--no-progress", is_flag=True, help="No live progress bar.")
 @one_line_errors
 def train(
-    coordinator, local, shards, heartbeat_timeout, device, transport, scheme, workers, out, no_progress, **options
+    coordinator: str | None,
+    local: bool,
+    shards: int,
+    heartbeat_timeout: float,
+    device: str,
+    transport: str,
+    scheme: str,
+    workers: int,
+    out: Path | None,
+    no_progress: bool,
+    **options: Any,
 ) -> None:
     """Train one run and print its summary; writes summary.json and metrics.jsonl."""
     if local == bool(coordinator):
@@ -230,6 +205,7 @@ def train(
         with LocalCluster(shards, workers, heartbeat_timeout, log_dir, device, transport) as cluster:
             summary = _train_on(cluster.address, spec, out, no_progress)
     else:
+        assert coordinator is not None  # exactly one of --local and --coordinator, checked above
         summary = _train_on(coordinator, spec, out, no_progress)
     print_summary(summary)
     if summary["state"] != "completed":
@@ -275,7 +251,7 @@ def up(shards: int, workers: int, heartbeat_timeout: float, device: str, transpo
             click.echo("stopping")
 
 
-def _coordinator_option(fn):
+def _coordinator_option(fn: F) -> F:
     return click.option(
         "--coordinator",
         envvar="GRADPS_COORDINATOR",
@@ -367,19 +343,19 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
 @click.option("--no-progress", is_flag=True, help="No live progress bars.")
 @one_line_errors
 def compare(
-    coordinator,
-    local,
-    shards,
-    heartbeat_timeout,
-    device,
-    transport,
-    schemes,
-    workers,
-    target_accuracy,
-    out,
-    no_progress,
-    **o,
-):
+    coordinator: str | None,
+    local: bool,
+    shards: int,
+    heartbeat_timeout: float,
+    device: str,
+    transport: str,
+    schemes: str,
+    workers: int,
+    target_accuracy: float,
+    out: Path,
+    no_progress: bool,
+    **o: Any,
+) -> None:
     """Run several schemes on the same cluster, data, seed and model; table, JSON, CSV and a plot."""
     from client.compare import print_table, run_comparison, write_outputs
 
@@ -427,4 +403,4 @@ from client.bench import bench  # noqa: E402 (the bench group sits apart from th
 cli.add_command(bench)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

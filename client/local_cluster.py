@@ -117,7 +117,7 @@ class LocalCluster:
         self.workers.append(p)
         return p
 
-    def stop(self, grace_s: float = 5.0) -> list[int | None]:
+    def stop(self, grace_s: float = 5.0) -> list[int]:
         """SIGTERM every process (workers first), then SIGKILL what is left; returns exit codes."""
         processes = [*self.workers, *self.shards, *([self.coordinator] if self.coordinator else [])]
         for p in processes:
@@ -141,5 +141,5 @@ class LocalCluster:
             self.stop(grace_s=1.0)
             raise
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

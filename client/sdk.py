@@ -4,14 +4,58 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
-from gpu_worker.ps_client import copy_part_into
 from gradps.channel import open_channel
+from gradps.codecs import parse_codec
+from gradps.parameter_client import copy_part_into
+from gradps.run_spec import default_spec, validate, with_defaults
+from gradps.schemes import DEFAULT_SCHEME, PARAMS
 from gradps.v1 import coordinator_pb2 as cpb
-from gradps.v1 import coordinator_pb2_grpc, run_pb2
+from gradps.v1 import coordinator_pb2_grpc, run_pb2, tensor_pb2
+
+_OPTIMIZER_FIELDS = frozenset(run_pb2.OptimizerSpec.DESCRIPTOR.fields_by_name) - {"name"}
+_RUN_FIELDS = frozenset(f.name for f in run_pb2.RunSpec.DESCRIPTOR.fields if f.message_type is None)
+
+
+def run_spec(scheme: str = DEFAULT_SCHEME, **options: object) -> run_pb2.RunSpec:
+    """A RunSpec as `gradps train` builds it from the same options: what is not given keeps its
+    default (`gradps.run_spec.default_spec`: ssp's staleness bound 2, evaluation every 50 steps,
+    ...), so a script and the CLI get the same run for the same choices.
+
+    Options are the CLI's, as keywords: RunSpec fields (workers=4, steps=100), OptimizerSpec
+    fields (lr=0.1; optimizer="adam" names it), SchemeParams fields (staleness=3), and codec or
+    pull_codec as a CLI string ("topk:0.01") or CodecParams. TypeError on an unknown option,
+    ValueError on a spec the coordinator would refuse.
+    """
+    spec = default_spec()
+    spec.scheme = scheme
+    for key, value in options.items():
+        _set_option(spec, key, value)
+    validate(with_defaults(spec))
+    return spec
+
+
+def _set_option(spec: run_pb2.RunSpec, key: str, value: object) -> None:
+    if key == "optimizer":
+        spec.optimizer.name = str(value)
+    elif key in _OPTIMIZER_FIELDS:
+        setattr(spec.optimizer, key, value)
+    elif key in PARAMS:
+        setattr(spec.scheme_params, key, value)
+    elif key in ("codec", "pull_codec"):
+        codec = parse_codec(value) if isinstance(value, str) else value
+        if not isinstance(codec, tensor_pb2.CodecParams):
+            raise TypeError(f"{key} must be a codec string or CodecParams, got {type(value).__name__}")
+        getattr(spec, key).CopyFrom(codec)
+    elif key in _RUN_FIELDS and key != "scheme":
+        setattr(spec, key, value)
+    else:
+        raise TypeError(f"run_spec() got an unknown option {key!r}")
 
 
 class GradpsError(Exception):
@@ -41,17 +85,19 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, request, timeout: float | None = None):
+    def _call(self, method: str, request: Message, timeout: float | None = None) -> Any:
         try:
             return getattr(self._stub, method)(request, timeout=timeout or self.timeout_s)
         except grpc.RpcError as e:
             raise _describe(e, self.address) from None
 
     def submit(self, spec: run_pb2.RunSpec) -> str:
-        """Queue a run; returns its id."""
+        """Queue a run; returns its id. Build `spec` with `run_spec` for the CLI's defaults: in a
+        RunSpec made by hand, a field left at 0 means what the proto says (ssp's staleness 0
+        waits like sync)."""
         return self._call("SubmitRun", cpb.SubmitRunRequest(spec=spec)).run_id
 
     def run(self, run_id: str) -> cpb.GetRunResponse:

@@ -8,11 +8,17 @@ import functools
 import math
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn, ParamSpec, TypeVar
 
 import click
 
 from client.sdk import GradpsError
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class FiniteFloat(click.FloatRange):
@@ -20,18 +26,18 @@ class FiniteFloat(click.FloatRange):
 
     name = "finite float range"
 
-    def convert(self, value, param, ctx) -> float:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
 
 
-def one_line_errors(fn):
+def one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Turn the errors a user can cause into one line and exit code 1."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except (GradpsError, ValueError) as e:
@@ -71,7 +77,7 @@ def stop_on_sigterm() -> None:
     """Make SIGTERM (kill, `timeout`, a container stop) unwind like Ctrl-C: the embedded cluster's
     processes are stopped and a followed run is stopped, instead of being left orphaned."""
 
-    def unwind(signum: int, frame) -> None:
+    def unwind(signum: int, frame: FrameType | None) -> NoReturn:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, unwind)

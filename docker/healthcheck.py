@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coordinator", default=os.environ.get("GRADPS_COORDINATOR"))
     parser.add_argument("--name", default=os.environ.get("GRADPS_WORKER_NAME") or socket.gethostname())
     args = parser.parse_args(argv)
+    problem: str | None
     try:
         if args.role == "worker":
             if not args.coordinator:

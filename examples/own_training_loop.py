@@ -15,11 +15,11 @@ from torch import nn
 
 from client.local_cluster import LocalCluster
 from client.sdk import Client
-from gpu_worker.session import WorkerSession
 from gpu_worker.trainer import Trainer
 from gradps.datasets import load_dataset
 from gradps.evaluation import evaluate
 from gradps.v1 import run_pb2
+from gradps.worker_session import WorkerSession
 
 
 def main() -> None:

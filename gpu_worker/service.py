@@ -13,15 +13,15 @@ import click
 import grpc
 import torch
 
-from gpu_worker.ps_client import TRANSPORTS
-from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
 from gpu_worker.trainer import Trainer
 from gradps.channel import coordinator_option, log_level_option
 from gradps.datasets import ShardSampler, load_dataset
 from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
 from gradps.models import build_model
+from gradps.parameter_client import TRANSPORTS
 from gradps.v1 import coordinator_pb2
+from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
 
 _LOGGER = logging.getLogger("gradps.worker")
 

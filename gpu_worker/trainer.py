@@ -1,12 +1,12 @@
 """The training loop as a library: wrap a model, call `step()` after each backward pass.
 
-    trainer = Trainer(model, session, assignment, total_steps=1000)
+    trainer = Trainer(model, session, assignment, total_steps=1000, evaluate=evaluate)
     trainer.start()
     for x, y in batches:
         loss = loss_fn(model(x), y)
         loss.backward()
         trainer.step(loss.item(), samples=len(x))
-    trainer.finish(evaluate)
+    trainer.finish()
 
 The scheme (sync, asgd, ...) decides what `start`, `step` and `finish` exchange with the shards.
 """
@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.ps_client import ParameterClient, tensor_specs
 from gpu_worker.schemes import WORKER_SCHEMES
-from gpu_worker.session import Assignment, RunAbandoned, WorkerSession
+from gradps.parameter_client import ParameterClient, tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
+from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
 
 Evaluate = Callable[[torch.nn.Module], tuple[float, float]]
 
@@ -49,7 +49,7 @@ class Trainer:
         report_every: int = 10,
         transport: str = "shm",
     ) -> None:
-        """`transport`: where payloads travel (ps_client.TRANSPORTS, see ParameterClient)."""
+        """`transport`: where payloads travel (gradps.transport.TRANSPORTS, see ParameterClient)."""
         self.model = model
         self.session = session
         self.assignment = assignment
@@ -58,7 +58,7 @@ class Trainer:
         self.evaluate = evaluate
         self.report_every = max(1, report_every)
         # Only parameters live on the shards; models with buffers keep them local.
-        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         placement = session.placement(assignment.run_id, tensor_specs(self.params), total_steps)
         self.client = ParameterClient(
             placement,

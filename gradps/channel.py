@@ -16,6 +16,8 @@ import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gradps.errors import StatusInterceptor
+
 # Parts are at most the run's part size (default 4 MiB, capped at MAX_PART_BYTES), plus a little
 # framing; the limit is explicit so that a misconfigured run fails with RESOURCE_EXHAUSTED rather
 # than at gRPC's silent 4 MiB default.
@@ -73,10 +75,11 @@ def open_channel(address: str) -> grpc.Channel:
 
 
 def make_server(max_workers: int = 32) -> grpc.Server:
-    """A threaded gRPC server with gradps's message limits and grpc.health.v1 registered."""
+    """A threaded gRPC server with gradps's message limits, whose handlers refuse a request by
+    raising a `gradps.errors.GradpsError` (StatusInterceptor); health is added by `add_health`."""
     tune_allocator()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
-    return server
+    executor = futures.ThreadPoolExecutor(max_workers=max_workers)
+    return grpc.server(executor, options=_OPTIONS, interceptors=(StatusInterceptor(),))
 
 
 def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:

@@ -13,7 +13,7 @@ shard's one-byte answer; the stream then belongs to that worker in that run. Eac
 worker to shard; pull: shard to worker) is used by one call at a time, and every call's bytes start
 with its call number (StreamCall.call). A call that fails for any reason closes the stream: its
 bytes can no longer be framed. The worker then sends payloads inline until it has opened a new one
-(gpu_worker/ps_client.py).
+(gradps/transport/data_stream.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from gradps.channel import tune_allocator
+from gradps.errors import DataLost
 
 _LOGGER = logging.getLogger("gradps.stream")
 TOKEN_BYTES = 16
@@ -48,8 +49,9 @@ _CALL = struct.Struct("<Q")
 _ATTACHED = b"\x01"
 
 
-class StreamError(Exception):
-    """A stream that cannot be opened, or broke or lost its framing during a call."""
+class StreamError(DataLost):
+    """A stream that cannot be opened, or broke or lost its framing during a call. Out of a
+    shard's handler it ends the call with DATA_LOSS: the worker makes it again inline."""
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -8,6 +8,7 @@ import math
 from gradps.channel import MAX_MESSAGE_BYTES
 from gradps.v1 import shard_pb2, tensor_pb2
 
+# Bytes per part when a run does not say (RunSpec.part_size).
 DEFAULT_PART_SIZE = 4 * 1024 * 1024
 
 # A part is named by its tensor and its index within the tensor.
@@ -20,7 +21,7 @@ ITEMSIZE = {
     tensor_pb2.DTYPE_FLOAT64: 8,
 }
 # Parameters travel and live as float32: shards hold every part as float32 and workers describe
-# their tensors as such (gpu_worker/ps_client.py, tensor_specs); a placement has no other dtype.
+# their tensors as such (gradps/parameter_client.py, tensor_specs); a placement has no other dtype.
 PARAMETER_DTYPE = tensor_pb2.DTYPE_FLOAT32
 
 # Elements of one tensor (4 TiB of float32): more than any model's tensor, and every offset and
@@ -88,9 +89,7 @@ def check_tensors(tensors: list[tensor_pb2.TensorSpec], part_size: int) -> None:
             raise ValueError(f"the placement table would exceed {MAX_PLACEMENT_BYTES} bytes (shorter names?)")
 
 
-def place(
-    tensors: list[tensor_pb2.TensorSpec], shards: list[str], part_size: int, version: int = 1
-) -> shard_pb2.Placement:
+def place(tensors: list[tensor_pb2.TensorSpec], shards: list[str], part_size: int) -> shard_pb2.Placement:
     """The placement table: every part goes to the least-loaded shard, largest parts first (LPT).
 
     Greedy longest-processing-time keeps the heaviest shard within one part of the mean, which
@@ -114,16 +113,8 @@ def place(
         heapq.heappush(load, (bytes_on + nbytes, shard))
     order = {t.name: i for i, t in enumerate(tensors)}
     placed.sort(key=lambda p: (order[p.name], p.index))
-    return shard_pb2.Placement(version=version, shards=shards, tensors=tensors, parts=placed)
-
-
-def shard_bytes(placement: shard_pb2.Placement) -> list[int]:
-    """Bytes of parameters each shard holds under `placement`."""
-    itemsize = {t.name: ITEMSIZE[t.dtype] for t in placement.tensors}
-    load = [0] * len(placement.shards)
-    for p in placement.parts:
-        load[p.shard] += p.count * itemsize[p.name]
-    return load
+    # A run's table is made once and never changes, so it is always version 1.
+    return shard_pb2.Placement(version=1, shards=shards, tensors=tensors, parts=placed)
 
 
 def _shown(name: str) -> str:

@@ -134,15 +134,6 @@ def split_message(message: Buffer, part_field: int) -> tuple[bytes, tensor_pb2.T
     return rest, part_meta, payload
 
 
-def split_part(message: Buffer, part_field: int = 1) -> tuple[tensor_pb2.TensorPart, memoryview]:
-    """The part's metadata and payload view of `split_message` (the other fields dropped);
-    WireError when there is no part."""
-    _, meta, payload = split_message(message, part_field)
-    if meta is None:
-        raise WireError(f"no field {part_field} in the message")
-    return meta, payload
-
-
 def parts_of(message) -> list[tensor_pb2.TensorPart]:
     """A parsed message's parts: its `part` if set, then its repeated `parts` if it has them."""
     first = [message.part] if message.HasField("part") else []
@@ -154,7 +145,7 @@ class PartBatch:
     in shared memory and small ones, up to BATCH_BYTES a message."""
 
     def __init__(self, new: Callable[[], Message]) -> None:
-        self._new = new
+        self.new = new
         self._message = new()
         self._bytes = 0
 
@@ -169,7 +160,7 @@ class PartBatch:
 
     def take(self) -> Message | None:
         """What was gathered (None when nothing was), and a new message for what follows."""
-        message, self._message, self._bytes = self._message, self._new(), 0
+        message, self._message, self._bytes = self._message, self.new(), 0
         return message if message.parts else None
 
 

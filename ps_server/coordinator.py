@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 
 import click
 import grpc
+from google.protobuf.message import Message
 
 from gradps import wire
 from gradps.channel import (
@@ -26,10 +27,11 @@ from gradps.channel import (
     wait_for_call,
     write_port_file,
 )
+from gradps.errors import Ended, GradpsError, Invalid, NotFound, NotNow
 from gradps.placement import place
+from gradps.run_spec import validate, with_defaults
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
-from ps_server.run_spec import validate, with_defaults
 
 _LOGGER = logging.getLogger("gradps.coordinator")
 _ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
@@ -45,6 +47,12 @@ _DEFAULT_ASSIGNMENT_WAIT_S = 10.0
 _MAX_ASSIGNMENT_WAIT_S = 60.0
 # ... which wakes this often to notice a caller that went away (cancelled, or past its deadline).
 _WAIT_SLICE_S = 0.5
+
+
+class ShardUnavailable(GradpsError):
+    """A shard that the request needs did not answer."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass
@@ -94,13 +102,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     # ---- client -------------------------------------------------------------------------------
 
-    def SubmitRun(self, request, context):
+    def SubmitRun(self, request: cpb.SubmitRunRequest, context: grpc.ServicerContext) -> cpb.SubmitRunResponse:
         spec = with_defaults(request.spec)
         try:
             validate(spec)
             _check_model_and_dataset(spec)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Invalid(str(e)) from None
         run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
         status = cpb.RunStatus(run_id=run_id, spec=spec, state=cpb.RUN_STATE_PENDING, submitted_at=time.time())
         with self._cond:
@@ -111,34 +119,35 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         _LOGGER.info("run %s submitted: %s/%s/%s", run_id, spec.scheme, spec.model, spec.dataset)
         return cpb.SubmitRunResponse(run_id=run_id)
 
-    def GetRun(self, request, context):
+    def GetRun(self, request: cpb.GetRunRequest, context: grpc.ServicerContext) -> cpb.GetRunResponse:
         with self._cond:
-            record = self._record(request.run_id, context)
+            record = self._record(request.run_id)
             return cpb.GetRunResponse(run=self._snapshot(record), placement=record.placement)
 
-    def ListRuns(self, request, context):
+    def ListRuns(self, request: cpb.ListRunsRequest, context: grpc.ServicerContext) -> cpb.ListRunsResponse:
         with self._cond:
             return cpb.ListRunsResponse(runs=[self._snapshot(r) for r in self._runs.values()])
 
-    def StopRun(self, request, context):
+    def StopRun(self, request: cpb.StopRunRequest, context: grpc.ServicerContext) -> cpb.StopRunResponse:
         with self._cond:
-            record = self._record(request.run_id, context)
+            record = self._record(request.run_id)
             if record.ended:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"run {request.run_id} already ended: "
-                    + cpb.RunState.Name(record.status.state).removeprefix("RUN_STATE_").lower(),
-                )
+                state = cpb.RunState.Name(record.status.state).removeprefix("RUN_STATE_").lower()
+                raise Ended(f"run {request.run_id} already ended: {state}")
             self._end(record, cpb.RUN_STATE_STOPPED, "stopped by a client")
         return cpb.StopRunResponse()
 
-    def WatchRun(self, request, context) -> Iterator[cpb.WatchRunResponse]:
+    def WatchRun(self, request: cpb.WatchRunRequest, context: grpc.ServicerContext) -> Iterator[cpb.WatchRunResponse]:
         with self._cond:
-            record = self._record(request.run_id, context)
+            record = self._record(request.run_id)
         sent = 0
+
+        def news() -> bool:
+            return len(record.events) > sent or record.ended
+
         while context.is_active():
             with self._cond:
-                self._cond.wait_for(lambda n=sent: len(record.events) > n or record.ended, timeout=1.0)
+                self._cond.wait_for(news, timeout=1.0)
                 new = record.events[sent:]
                 finished = record.ended and sent + len(new) == len(record.events)
             yield from new
@@ -146,7 +155,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if finished:
                 return
 
-    def GetCluster(self, request, context):
+    def GetCluster(self, request: cpb.GetClusterRequest, context: grpc.ServicerContext) -> cpb.GetClusterResponse:
         with self._cond:
             return cpb.GetClusterResponse(
                 shards=[address for address, _ in self._shards],
@@ -156,12 +165,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 ],
             )
 
-    def ExportRun(self, request, context) -> Iterator[cpb.ExportRunResponse]:
+    def ExportRun(
+        self, request: cpb.ExportRunRequest, context: grpc.ServicerContext
+    ) -> Iterator[cpb.ExportRunResponse]:
         with self._cond:
-            record = self._record(request.run_id, context)
+            record = self._record(request.run_id)
             placement = record.placement
         if placement is None or not placement.tensors:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id} has no parameters yet")
+            raise NotNow(f"run {request.run_id} has no parameters yet")
         # Message by message, shard after shard (no lock held): one large part, or one batch of
         # small ones, in memory at a time.
         pull = shard_pb2.PullRequest(run_id=request.run_id, worker_id=_EXPORTER_ID, wait_ms=_EXPORT_WAIT_MS)
@@ -173,18 +184,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                         out.part.CopyFrom(part)
                         yield out
             except grpc.RpcError as e:
-                why = f"{e.code().name}: {e.details()}"
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {index} at {address}: {why}")
+                raise ShardUnavailable(f"shard {index} at {address}: {e.code().name}: {e.details()}") from None
 
     # ---- shards and workers -------------------------------------------------------------------
 
-    def RegisterShard(self, request, context):
+    def RegisterShard(
+        self, request: cpb.RegisterShardRequest, context: grpc.ServicerContext
+    ) -> cpb.RegisterShardResponse:
         why = _address_problem(request.address)
         if why:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"shard address must be HOST:PORT or [IPV6]:PORT, got {request.address[:100]!r}: {why}",
-            )
+            raise Invalid(f"shard address must be HOST:PORT or [IPV6]:PORT, got {request.address[:100]!r}: {why}")
         with self._cond:
             for index, (address, _) in enumerate(self._shards):
                 if address == request.address:
@@ -194,7 +203,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             _LOGGER.info("shard %d registered at %s", len(self._shards) - 1, request.address)
             return cpb.RegisterShardResponse(shard_index=len(self._shards) - 1)
 
-    def JoinWorker(self, request, context):
+    def JoinWorker(self, request: cpb.JoinWorkerRequest, context: grpc.ServicerContext) -> cpb.JoinWorkerResponse:
         with self._cond:
             worker_id = self._next_worker_id
             self._next_worker_id += 1
@@ -204,7 +213,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         interval_ms = max(50, int(self.heartbeat_timeout_s * 1000 / 5))
         return cpb.JoinWorkerResponse(worker_id=worker_id, heartbeat_interval_ms=interval_ms)
 
-    def Heartbeat(self, request, context):
+    def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
         with self._cond:
             worker = self._workers.get(request.worker_id)
             if worker is None or not worker.alive:
@@ -214,11 +223,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             stop = bool(request.run_id) and (record is None or record.ended)
             return cpb.HeartbeatResponse(stop=stop)
 
-    def GetAssignment(self, request, context):
+    def GetAssignment(
+        self, request: cpb.GetAssignmentRequest, context: grpc.ServicerContext
+    ) -> cpb.GetAssignmentResponse:
         wait_s = min(request.wait_ms / 1000, _MAX_ASSIGNMENT_WAIT_S) if request.wait_ms else _DEFAULT_ASSIGNMENT_WAIT_S
         with self._cond:
             if request.worker_id not in self._workers:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}; join first")
+                raise NotFound(f"unknown worker {request.worker_id}; join first")
 
             def assigned() -> bool:
                 w = self._workers[request.worker_id]
@@ -238,16 +249,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 total_steps=status.total_steps or status.spec.steps,
             )
 
-    def GetPlacement(self, request, context):
+    def GetPlacement(self, request: cpb.GetPlacementRequest, context: grpc.ServicerContext) -> cpb.GetPlacementResponse:
         with self._cond:
-            record = self._record(request.run_id, context)
+            record = self._record(request.run_id)
             if record.status.state != cpb.RUN_STATE_RUNNING:
                 # Shards opened for a pending run know none of its workers (and refuse their
                 # pushes); an ended run has none left to serve.
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise NotNow(
                     f"run {request.run_id} is {cpb.RunState.Name(record.status.state)}; "
-                    "its placement is made once it runs, by its workers",
+                    "its placement is made once it runs, by its workers"
                 )
             shards = [address for address, _ in self._shards]
         with record.placement_lock:
@@ -255,24 +265,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 try:
                     placement = place(list(request.tensors), shards, record.status.spec.part_size)
                 except ValueError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                self._open_on_shards(record, placement, request.total_steps, context)
+                    raise Invalid(str(e)) from None
+                self._open_on_shards(record, placement, request.total_steps)
                 with self._cond:
                     record.placement = placement
                     record.opened_on_shards = True
                     record.status.total_steps = request.total_steps
                     self._close_old_runs()
             elif list(record.placement.tensors) != list(request.tensors):
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "tensors differ from those the run's first worker registered (same model and seed?)",
-                )
+                raise Invalid("tensors differ from those the run's first worker registered (same model and seed?)")
         return cpb.GetPlacementResponse(placement=record.placement)
 
-    def ReportMetrics(self, request, context):
+    def ReportMetrics(
+        self, request: cpb.ReportMetricsRequest, context: grpc.ServicerContext
+    ) -> cpb.ReportMetricsResponse:
         m = request.metrics
         with self._cond:
-            record = self._record(request.run_id, context)
+            record = self._record(request.run_id)
             if record.ended:
                 return cpb.ReportMetricsResponse(stop=True)
             if m.worker_id not in record.live:
@@ -296,10 +305,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     # ---- internals (call with self._cond held unless noted) -----------------------------------
 
-    def _record(self, run_id: str, context) -> RunRecord:
+    def _record(self, run_id: str) -> RunRecord:
         record = self._runs.get(run_id)
         if record is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id!r}")
+            raise NotFound(f"unknown run {run_id!r}")
         return record
 
     def _snapshot(self, record: RunRecord) -> cpb.RunStatus:
@@ -344,7 +353,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             else:
                 self._end(record, cpb.RUN_STATE_FAILED, "every worker died")
 
-    def _end(self, record: RunRecord, state: int, message: str, metrics: cpb.Metrics | None = None) -> None:
+    def _end(self, record: RunRecord, state: cpb.RunState, message: str, metrics: cpb.Metrics | None = None) -> None:
         record.status.state = state
         record.status.message = message
         record.status.finished_at = time.time()
@@ -364,7 +373,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._shard_stubs[address] = stub
         return stub
 
-    def _open_on_shards(self, record: RunRecord, placement: shard_pb2.Placement, total_steps: int, context) -> None:
+    def _open_on_shards(self, record: RunRecord, placement: shard_pb2.Placement, total_steps: int) -> None:
         """OpenRun on every shard (no lock held: shards may be slow to answer)."""
         status = record.status
         for index, address in enumerate(placement.shards):
@@ -379,7 +388,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             try:
                 self._stub(address).OpenRun(request, timeout=30)
             except grpc.RpcError as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {index} at {address}: {e.details()}")
+                raise ShardUnavailable(f"shard {index} at {address}: {e.details()}") from None
 
     def _close_old_runs(self) -> None:
         ended = [r for r in self._runs.values() if r.ended and r.placement is not None and r.opened_on_shards]
@@ -387,7 +396,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             record.opened_on_shards = False
             self._to_shards(record, "CloseRun", shard_pb2.CloseRunRequest(run_id=record.status.run_id))
 
-    def _to_shards(self, record: RunRecord, method: str, request) -> None:
+    def _to_shards(self, record: RunRecord, method: str, request: Message) -> None:
         """Send a control RPC to every shard of a run in the background (never under the lock)."""
         addresses = list(record.placement.shards) if record.placement else []
 

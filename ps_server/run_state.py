@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from gradps.data_stream import DataStream
+from gradps.optimizer import ShardOptimizer
 from gradps.placement import PartKey
 from gradps.shared_memory import Segment
 from gradps.v1 import run_pb2, shard_pb2
-from ps_server.optimizer import ShardOptimizer
 
 
 @dataclass
@@ -43,21 +43,9 @@ class Push:
     versions: dict[PartKey, int]
 
 
-class PushRejected(Exception):
-    """A push that is well-formed but not acceptable now (e.g. a step ahead of the shard)."""
-
-
-class CallEnded(Exception):
-    """The call a shard was waiting for went away: its client cancelled it or its deadline passed."""
-
-    def __init__(self, message: str, deadline: bool) -> None:
-        super().__init__(message)
-        # True: the deadline passed (DEADLINE_EXCEEDED); False: the client cancelled (CANCELLED).
-        self.deadline = deadline
-
-
 # How a waiting handler waits: wait(ready, timeout_s) is True once ready() is, False after timeout_s;
-# it raises CallEnded when the call goes first (see ShardServicer's _waiter).
+# it raises Cancelled or TimedOut when the call goes first, Ended when the run does
+# (ps_server/waiting.py).
 Wait = Callable[[Callable[[], bool], float], bool]
 
 
@@ -146,6 +134,24 @@ class RunState:
         for stream in self.streams.values():
             stream.close()
         self.streams = {}
+
+    def record_push(self, worker_id: int, step: int, nbytes: int) -> None:
+        """A push was applied: its step is remembered (a retry is answered `applied = false`)."""
+        self.last_step[worker_id] = step
+        self.pushes += 1
+        self.bytes_pushed += nbytes
+        self.cond.notify_all()
+
+    def initialise(self, values: list[tuple[Part, torch.Tensor]], overwrite: bool) -> int:
+        """Set parts' initial values (the first upload wins, unless `overwrite`); how many were set."""
+        initialised = 0
+        for part, tensor in values:
+            if overwrite or not part.initialised:
+                part.values.copy_(tensor)
+                part.initialised = True
+                initialised += 1
+        self.cond.notify_all()
+        return initialised
 
     def param_bytes(self) -> int:
         return sum(p.count * 4 for p in self.parts.values())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from client.sdk import Client
-from gpu_worker.ps_client import ParameterClient, tensor_specs
-from gpu_worker.session import WorkerSession
+from gradps.parameter_client import ParameterClient, tensor_specs
 from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
+from gradps.worker_session import WorkerSession
 
 NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 

@@ -9,12 +9,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from client.cli import cli
+from client.local_cluster import LocalCluster
 from client.sdk import Client
 from gradps.v1 import coordinator_pb2 as cpb
 
@@ -47,7 +49,7 @@ def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
     ]
 
 
-def test_bad_input_is_refused_before_any_work(tmp_path):
+def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
     runner = CliRunner()
     with runner.isolated_filesystem(temp_dir=tmp_path) as cwd:
         for args, words in _usage_cases(tmp_path):
@@ -61,13 +63,13 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
         assert not (Path(cwd) / "runs").exists()
 
 
-def test_local_and_a_coordinator_from_the_environment_is_explained():
+def test_local_and_a_coordinator_from_the_environment_is_explained() -> None:
     result = CliRunner().invoke(cli, ["train", "--local"], env={"GRADPS_COORDINATOR": "127.0.0.1:1"})
     assert result.exit_code == 2
     assert "(GRADPS_COORDINATOR is set)" in result.output
 
 
-def test_a_shard_address_for_a_coordinator_is_named(cluster, client: Client):
+def test_a_shard_address_for_a_coordinator_is_named(cluster: LocalCluster, client: Client) -> None:
     shard = client.cluster().shards[0]
     result = CliRunner().invoke(cli, ["status", "--coordinator", shard])
     assert result.exit_code == 1
@@ -94,7 +96,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _until(condition, timeout_s: float, what: str) -> None:
+def _until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, what
@@ -116,7 +118,7 @@ def _metrics_started(out: Path) -> bool:
     return metrics.exists() and metrics.stat().st_size > 0
 
 
-def test_sigterm_stops_the_embedded_cluster(tmp_path):
+def test_sigterm_stops_the_embedded_cluster(tmp_path: Path) -> None:
     cli_process = _gradps("train", "--local", out=tmp_path)
     try:
         _until(lambda: _metrics_started(tmp_path), 120, "the local run did not start")
@@ -133,7 +135,9 @@ def test_sigterm_stops_the_embedded_cluster(tmp_path):
 
 
 @pytest.mark.parametrize("interrupt", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupted_train_stops_its_run(cluster, client: Client, tmp_path, interrupt):
+def test_an_interrupted_train_stops_its_run(
+    cluster: LocalCluster, client: Client, tmp_path: Path, interrupt: int
+) -> None:
     cli_process = _gradps("train", "--coordinator", cluster.address, out=tmp_path)
     try:
         _until(lambda: _metrics_started(tmp_path), 60, "the run did not start")
@@ -148,7 +152,7 @@ def test_an_interrupted_train_stops_its_run(cluster, client: Client, tmp_path, i
             cli_process.kill()
 
 
-def test_services_refuse_bad_flags_in_one_line(tmp_path):
+def test_services_refuse_bad_flags_in_one_line(tmp_path: Path) -> None:
     busy = socket.socket(socket.AF_INET6)
     busy.bind(("::", 0))
     busy.listen()
@@ -170,12 +174,13 @@ def test_services_refuse_bad_flags_in_one_line(tmp_path):
         busy.close()
 
 
-def test_a_worker_waiting_to_join_stops_on_sigterm():
+def test_a_worker_waiting_to_join_stops_on_sigterm() -> None:
     worker = subprocess.Popen(
         [sys.executable, "-m", "gpu_worker.service", "--coordinator", "127.0.0.1:1"],
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert worker.stderr is not None
     try:
         # It says why nothing happens, then gives up on SIGTERM rather than after its 60 s of retries.
         line = worker.stderr.readline()

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from client.local_cluster import LocalCluster
-from gpu_worker.ps_client import ParameterClient
 from gradps.channel import open_channel
 from gradps.codecs import (
     CodecError,
@@ -29,6 +28,7 @@ from gradps.codecs import (
     parse_codec,
 )
 from gradps.codecs.bench import bench_real_gradients, capture_gradients
+from gradps.parameter_client import ParameterClient
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.run_state import Push, RunState
 from ps_server.schemes.sync import SyncRule

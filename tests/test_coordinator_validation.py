@@ -16,11 +16,11 @@ import grpc
 import pytest
 import torch
 
-from gpu_worker.ps_client import tensor_specs
-from gpu_worker.session import WorkerSession
 from gradps.channel import bind, make_server, open_channel
+from gradps.parameter_client import tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, tensor_pb2
+from gradps.worker_session import WorkerSession
 from ps_server import coordinator
 from ps_server.coordinator import CoordinatorServicer
 

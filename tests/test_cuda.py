@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gradps.codecs import decode_part, encode_part, parse_codec
+from gradps.optimizer import ShardOptimizer, kernels
 from gradps.v1 import run_pb2
-from ps_server.optimizer import ShardOptimizer, kernels
 from tests.test_optimizer import SPECS, apply_calls
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -46,9 +46,9 @@ def test_push_and_pull_through_a_cuda_shard_match_a_cpu_optimizer(transport):
     """Gradients and weights on the worker's GPU too: shared memory takes them device to segment."""
     from client.local_cluster import LocalCluster
     from client.sdk import Client
-    from gpu_worker.ps_client import ParameterClient, tensor_specs
-    from gpu_worker.session import WorkerSession
+    from gradps.parameter_client import ParameterClient, tensor_specs
     from gradps.v1 import tensor_pb2
+    from gradps.worker_session import WorkerSession
 
     none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
     spec = run_pb2.OptimizerSpec(name="adam", lr=1e-2)
@@ -108,9 +108,9 @@ def test_a_cuda_worker_and_shard_pin_their_segments():
     """The worker pins its segment when GPU tensors first use it (the shard pins its mapping)."""
     from client.local_cluster import LocalCluster
     from client.sdk import Client
-    from gpu_worker.ps_client import ParameterClient, tensor_specs
-    from gpu_worker.session import WorkerSession
+    from gradps.parameter_client import ParameterClient, tensor_specs
     from gradps.v1 import tensor_pb2
+    from gradps.worker_session import WorkerSession
 
     none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
     tensors = {"w": torch.randn(1000, device="cuda")}

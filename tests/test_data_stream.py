@@ -21,13 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker import ps_client
-from gpu_worker.ps_client import ParameterClient, tensor_specs
 from gradps import data_stream, wire
 from gradps.channel import bind, make_server, open_channel
-from gradps.codecs import CodecError, parse_codec
+from gradps.codecs import parse_codec
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
+from gradps.errors import Invalid
+from gradps.parameter_client import ParameterClient, tensor_specs
 from gradps.placement import place
+from gradps.transport import StreamIn
+from gradps.transport import data_stream as route_module
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.shard import ShardServicer, add_shard_servicer
 from tests.joined_run import NONE, asgd_steps, join_run, leave
@@ -612,8 +614,8 @@ def test_a_pulled_part_longer_than_its_codec_allows_is_refused_before_reading():
     try:
         part = tensor_pb2.TensorPart(name="w", index=0, count=10, streamed=41, codec=NONE)
         with stream.receiving(1, 5) as receiver:
-            with pytest.raises(CodecError, match="41 streamed bytes for 10 values"):
-                ps_client.receive_part_into(torch.zeros(10), part, receiver)
+            with pytest.raises(Invalid, match="41 streamed bytes, more than 40"):
+                StreamIn(receiver).payload(part, b"", memoryview(torch.zeros(10).numpy()).cast("B"))
     finally:
         stream.close()
         theirs.close()
@@ -646,8 +648,13 @@ def test_a_streamed_pull_sends_the_part_as_it_was_when_the_pull_took_it(shards_o
 # --- 6. the worker's fallback ------------------------------------------------------------------------
 
 
+def _stream(client: ParameterClient, shard: int) -> DataStream | None:
+    """The data stream the client's link to `shard` holds now (None: none, payloads inline)."""
+    return getattr(client.links[shard].route, "stream", None)
+
+
 def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(shards_only, monkeypatch):
-    monkeypatch.setattr(ps_client, "_REOPEN_S", 3600.0)  # no new stream during this test
+    monkeypatch.setattr(route_module, "REOPEN_S", 3600.0)  # no new stream during this test
     torch.manual_seed(6)
     tensors = {"w": torch.randn(300_000)}  # three 400 KB parts, one per shard
     with _Run(shards_only.address, _spec(part_size=400_000), tensors, transport="stream") as run:
@@ -676,10 +683,10 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
         # The first payload of any shard's push: the stream breaks under it.
         monkeypatch.setattr(CallSender, "send", breaking(send, after=0))
         grads = [{"w": torch.randn_like(tensors["w"])} for _ in range(3)]
-        ids = {client._streams[s].id for s in (0, 1, 2)}
+        ids = {_stream(client, s).id for s in (0, 1, 2)}
         client.push(grads[0], 0)
         (first,) = broken
-        others = [s for s in (0, 1, 2) if client._streams[s] is not None]
+        others = [s for s in (0, 1, 2) if _stream(client, s) is not None]
         assert client.streamed_shards == others and len(others) == 2 and len(used) == 2
         assert {first.id, *used} == ids
         expected = tensors["w"] - LR * grads[0]["w"]
@@ -690,19 +697,19 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
         # Later pushes: inline to that shard, still on the streams to the others.
         used.clear()
         client.push(grads[1], 1)
-        assert sorted(used) == sorted(client._streams[s].id for s in others)
+        assert sorted(used) == sorted(_stream(client, s).id for s in others)
         # A pull whose stream breaks under it is fetched again inline.
         monkeypatch.setattr(CallReceiver, "receive_into", breaking(receive_into, after=1))  # the first of any pull
         pulled = _pulled(client, tensors)
         expected -= LR * grads[1]["w"]
         _assert_near(pulled["w"], expected)
         assert len(broken) == 2 and broken[1] is not first
-        (last,) = [s for s in others if client._streams[s] is not None]
+        (last,) = [s for s in others if _stream(client, s) is not None]
         assert client.streamed_shards == [last]
         used.clear()
         client.push(grads[2], 2)
         pulled = _pulled(client, tensors)
-        assert used == [client._streams[last].id] * 2  # one push and one pull on the last stream
+        assert used == [_stream(client, last).id] * 2  # one push and one pull on the last stream
         expected -= LR * grads[2]["w"]
         _assert_near(pulled["w"], expected)
         stats = run.stats()
@@ -712,14 +719,14 @@ def test_a_push_whose_data_stream_breaks_lands_once_and_later_calls_go_inline(sh
 
 
 def test_a_broken_stream_is_opened_again_in_the_background(shards_only, monkeypatch):
-    monkeypatch.setattr(ps_client, "_REOPEN_S", 0.2)
+    monkeypatch.setattr(route_module, "REOPEN_S", 0.2)
     torch.manual_seed(7)
     tensors = {"w": torch.randn(100_000)}  # one 400 KB part: streamed
     with _Run(shards_only.address, _spec(part_size=400_000), tensors, transport="stream") as run:
         client = run.clients[0]
         (shard,) = {p.shard for p in run.placement.parts}
         client.register(tensors)
-        old = client._streams[shard]
+        old = _stream(client, shard)
         old.close()  # as a dropped connection would: the next call finds it closed and goes inline
         grads = [{"w": torch.randn_like(tensors["w"])} for _ in range(2)]
         client.push(grads[0], 0)
@@ -727,7 +734,7 @@ def test_a_broken_stream_is_opened_again_in_the_background(shards_only, monkeypa
         while client.streamed_shards != [shard]:
             assert time.monotonic() < deadline, "no new stream"
             time.sleep(0.05)
-        new = client._streams[shard]
+        new = _stream(client, shard)
         assert new is not old and new.id != old.id
         used: list[int] = []
         send = CallSender.send
@@ -761,7 +768,7 @@ def test_streams_closed_under_running_pushes_lose_nothing(shards_only):
         expected = tensors["w"].clone()
         for step, grad in enumerate(grads):
             if step == 1:
-                streams = list(client._streams)
+                streams = [_stream(client, s) for s in range(3)]
                 timers = [threading.Timer(0.002 * (i + 1), s.close) for i, s in enumerate(streams)]
                 for timer in timers:
                     timer.start()

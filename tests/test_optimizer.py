@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradps.optimizer import ShardOptimizer, learning_rate, make_optimizer
 from gradps.v1 import run_pb2
-from ps_server.optimizer import ShardOptimizer, learning_rate, make_optimizer
 
 SPECS = [
     run_pb2.OptimizerSpec(name="sgd", lr=0.1),

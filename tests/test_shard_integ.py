@@ -12,9 +12,18 @@ import torch
 
 from gradps.channel import open_channel
 from gradps.data_stream import CallReceiver, CallSender
-from gradps.placement import shard_bytes
+from gradps.placement import ITEMSIZE
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from tests.joined_run import NONE, join_run, leave
+
+
+def _shard_bytes(placement: shard_pb2.Placement) -> list[int]:
+    """Bytes of parameters each shard holds under `placement`."""
+    itemsize = {t.name: ITEMSIZE[t.dtype] for t in placement.tensors}
+    load = [0] * len(placement.shards)
+    for p in placement.parts:
+        load[p.shard] += p.count * itemsize[p.name]
+    return load
 
 
 def test_parts_balanced_over_three_shards_and_large_tensor_round_trips(shards_only):
@@ -30,7 +39,7 @@ def test_parts_balanced_over_three_shards_and_large_tensor_round_trips(shards_on
     run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors)
     try:
         clients[0].register(tensors)
-        load = shard_bytes(placement)
+        load = _shard_bytes(placement)
         largest_part = max(p.count for p in placement.parts) * 4
         assert len(load) == 3 and all(b > 0 for b in load)
         assert max(load) - min(load) <= largest_part, load
@@ -253,7 +262,8 @@ def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, transport):
         client = clients[0]
         client.register(tensors)
         broken = []
-        for shard, call in enumerate(client._push_calls):  # the real call, with a fault injected once
+        for shard, link in enumerate(client.links):  # the real call, with a fault injected once
+            call = link._push
 
             def flaky(messages, timeout, call=call, shard=shard):
                 if shard not in broken:
@@ -262,7 +272,7 @@ def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, transport):
                     raise _BrokenStream()
                 return call(messages, timeout=timeout)
 
-            client._push_calls[shard] = flaky
+            link._push = flaky
         grad = {n: torch.randn_like(t) for n, t in tensors.items()}
         client.push(grad, 0)
         assert sorted(broken) == sorted({p.shard for p in placement.parts})

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from client.sdk import Client
-from gpu_worker.ps_client import tensor_specs
 from gradps import wire
 from gradps.codecs import encode_part, parse_codec
+from gradps.parameter_client import tensor_specs
 from gradps.placement import place
 from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
 from tests.joined_run import NONE, join_run, leave

@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
+from gradps.errors import NotNow
 from gradps.placement import place
 from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
-from ps_server.run_state import PushRejected, RunState
+from ps_server.run_state import RunState
 from ps_server.schemes.wagma import WagmaRule
 
 KEY = ("w", 0)
@@ -96,5 +97,5 @@ def test_gradient_pushes_are_refused():
     from ps_server.run_state import Push
 
     rule = _rule()
-    with pytest.raises(PushRejected, match="GroupAverage"):
+    with pytest.raises(NotNow, match="GroupAverage"):
         rule.push(Push(0, 0, {KEY: torch.zeros(4)}, {KEY: 0}))

@@ -8,6 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradps import wire
+from gradps.errors import Invalid
+from gradps.transport import unframe
 from gradps.v1 import shard_pb2, tensor_pb2
 
 
@@ -46,7 +48,7 @@ def test_split_message_returns_the_fields_and_a_view_of_the_payload(payload):
 def test_payload_view_aliases_the_message():
     values = np.arange(1000, dtype=np.float32)
     message = b"".join(wire.part_message(b"", 1, _meta(count=1000), memoryview(values).cast("B")))
-    _, view = wire.split_part(message)
+    _, _, view = wire.split_message(message, 1)
     assert view.obj is message
     np.testing.assert_array_equal(np.frombuffer(view, np.float32), values)
 
@@ -56,18 +58,25 @@ def test_unknown_fields_are_kept_in_the_metadata_and_skipped_over():
     response.part.CopyFrom(_meta(payload=b"abc"))
     # An unknown varint field (99) and an unknown fixed64 field (100) after the part.
     extra = wire.varint(99 << 3) + wire.varint(300) + wire.varint(100 << 3 | 1) + bytes(8)
-    meta, view = wire.split_part(response.SerializeToString() + extra)
+    _, meta, view = wire.split_message(response.SerializeToString() + extra, 1)
     assert bytes(view) == b"abc" and meta.name == "layer.weight"
 
 
 @pytest.mark.parametrize(
     "message",
-    [b"\x0a\x05abc", b"\x0a", b"\x0f", b"", b"\x12\x00"],
-    ids=["truncated-part", "no-length", "bad-wire-type", "empty", "no-part-field"],
+    [b"\x0a\x05abc", b"\x0a", b"\x0f"],
+    ids=["truncated-part", "no-length", "bad-wire-type"],
 )
 def test_malformed_messages_raise_wire_error(message):
     with pytest.raises(wire.WireError):
-        wire.split_part(message)
+        wire.split_message(message, 1)
+
+
+def test_unframe_refuses_malformed_messages_as_invalid():
+    with pytest.raises(Invalid, match="malformed PullResponse"):
+        unframe(b"\x0a\x05abc", shard_pb2.PullResponse)
+    message, parts = unframe(b"".join(wire.part_message(b"", 1, _meta(count=1), b"abcd")), shard_pb2.PullResponse)
+    assert [(meta.count, bytes(payload)) for meta, payload in parts] == [(1, b"abcd")]
 
 
 def test_varint_matches_protobuf():

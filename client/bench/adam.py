@@ -11,7 +11,9 @@ import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -25,7 +27,7 @@ from gradps.device import device_option
 if TYPE_CHECKING:
     import torch
 
-    from ps_server.optimizer import ScheduledOptimizer
+    from gradps.optimizer import ScheduledOptimizer
 
 MiB = 1 << 20
 # Bytes an update must move per float32 parameter: reads + writes.
@@ -60,6 +62,7 @@ def _check_fits(n_params: int, optimizer: str, device_name: str) -> None:
     import torch
 
     device = torch.device(device_name)
+    free: int | None
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
@@ -73,14 +76,14 @@ def _check_fits(n_params: int, optimizer: str, device_name: str) -> None:
         )
 
 
-def _sync(device):
+def _sync(device: torch.device) -> None:
     import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device, steps: int) -> float:
+def _time(fn: Callable[[], object], device: torch.device, steps: int) -> float:
     fn()  # warm-up (and lazy state allocation)
     _sync(device)
     times = []
@@ -116,8 +119,8 @@ def measure_adam(
     """Time the update of `n_params` float32 parameters cut into parts of `part_mib`."""
     import torch
 
+    from gradps.optimizer import ScheduledOptimizer, ShardOptimizer, kernels
     from gradps.v1 import run_pb2
-    from ps_server.optimizer import ScheduledOptimizer, ShardOptimizer, kernels
 
     device = torch.device(device_name)
     part_count = max(1, int(part_mib * MiB) // 4)
@@ -187,7 +190,7 @@ def print_rows(rows: list[AdamRow], console: Console) -> None:
 @click.option("--steps", default=5, type=click.IntRange(min=1), help="Timed updates (median reported).")
 @json_option()
 @one_line_errors
-def adam(n_params, part_mib, device, optimizer, steps, json_path) -> None:
+def adam(n_params: int, part_mib: float, device: str, optimizer: str, steps: int, json_path: Path | None) -> None:
     """The shard's optimizer update in GB/s of memory traffic, beside a copy of the same memory."""
     _check_fits(n_params, optimizer, device)
     rows = measure_adam(n_params, part_mib, device, optimizer, steps, ["shard", "per-part"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -21,9 +22,9 @@ from client.bench.options import json_option, parse_choices, parse_counts, trans
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 from client.usage import one_line_errors
+from gradps.placement import DEFAULT_PART_SIZE
 
 MiB = 1 << 20
-PART_SIZE = 4 * MiB
 # Optimizer state, in copies of the parameters: plain SGD (no momentum) keeps none, Adam two moments.
 _STATE = {"sgd": 0, "adam": 2}
 
@@ -75,7 +76,7 @@ def _run(
     shard_pid: int,
 ) -> int:
     """Run the job; the shard's shared resident KiB after the last round (segments still mapped)."""
-    run_id = submit_run(address, op, workers, "none", PART_SIZE, 2 + rounds + 1, optimizer)
+    run_id = submit_run(address, op, workers, "none", DEFAULT_PART_SIZE, 2 + rounds + 1, optimizer)
     job = Job(run_id, op, size_mib, "none", warmup=2, rounds=rounds, iters=1, transport=transport)
     bench_workers.start(job, workers)
     for _ in range(rounds):
@@ -154,7 +155,14 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
 @transport_option()
 @json_option()
 @one_line_errors
-def memory(size_mib, worker_counts, opt_names, op_names, transports, json_path) -> None:
+def memory(
+    size_mib: float,
+    worker_counts: list[int],
+    opt_names: list[str],
+    op_names: list[str],
+    transports: list[str],
+    json_path: Path | None,
+) -> None:
     """Shard peak memory vs params + optimizer state + one in-flight push per worker."""
     console = Console(stderr=True)
     rows = [

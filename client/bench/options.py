@@ -11,8 +11,8 @@ import click
 from rich.console import Console
 
 from client.usage import output_file
-from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
+from gradps.parameter_client import TRANSPORTS
 
 
 def parse_list(kind: Callable) -> Callable:

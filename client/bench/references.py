@@ -15,6 +15,7 @@ import queue
 import socket
 import struct
 import time
+from typing import Any
 
 from gradps.data_stream import StreamError, recv_exact, tune_socket
 
@@ -133,8 +134,8 @@ class GlooReference:
             p.start()
         self._collect("ready")
 
-    def _collect(self, kind: str) -> list:
-        values = []
+    def _collect(self, kind: str) -> list[Any]:
+        values: list[Any] = []
         deadline = time.monotonic() + self.timeout_s
         while len(values) < self.world:
             try:

@@ -3,13 +3,15 @@ of the exchange with the shards, and how much of the communication overlapped co
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
 import os
-import queue
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -19,11 +21,11 @@ from client.bench.options import json_option, write_json
 from client.local_cluster import LocalCluster
 from client.sdk import Client
 from client.usage import one_line_errors
-from gpu_worker.ps_client import TRANSPORTS
 from gradps.codecs import parse_codec
 from gradps.device import device_option
+from gradps.parameter_client import TRANSPORTS
+from gradps.schemes import SCHEMES
 from gradps.v1 import run_pb2
-from ps_server.schemes import RULES
 
 # Per-step fields, in seconds, that a worker reports (see StepBreakdown).
 _FIELDS = (
@@ -53,7 +55,7 @@ class StepBreakdown:
     codec: str
     # Where the workers and shards computed.
     device: str
-    # Where payloads travelled (gpu_worker.ps_client.TRANSPORTS).
+    # Where payloads travelled (gradps.transport.TRANSPORTS).
     transport: str
     params: int
     # Whole step: forward + backward + the exchange with the shards.
@@ -82,76 +84,35 @@ class StepBreakdown:
     steps: int
 
 
-def _worker_main(index: int, coordinator: str, warmup: int, device: str, transport: str, results: mp.Queue) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+def _spawn_worker(
+    index: int, coordinator: str, warmup: int, device: str, transport: str, out: Path
+) -> subprocess.Popen:
+    """One bench worker as its own process (gpu_worker.step_bench), so the client imports no worker code."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    args = [f"--coordinator={coordinator}", f"--index={index}", f"--warmup={warmup}", f"--device={device}"]
+    args += [f"--transport={transport}", f"--out={out}"]
+    return subprocess.Popen([sys.executable, "-m", "gpu_worker.step_bench", *args], env=env)
 
-    from gpu_worker.session import WorkerSession
-    from gpu_worker.trainer import Trainer
-    from gradps.datasets import ShardSampler, load_dataset
-    from gradps.evaluation import compute_loss
-    from gradps.models import build_model
 
-    torch.set_num_threads(1)
-    session = WorkerSession(coordinator, name=f"step-bench-{index}", device=device)
-    try:
-        assignment = None
-        while assignment is None:
-            assignment = session.wait_for_assignment(wait_s=5.0)
-        spec = assignment.spec
-        dataset = load_dataset(spec.dataset, spec.dataset_size, spec.seed)
-        torch.manual_seed(spec.seed)
-        model = build_model(spec.model, dataset).to(device)
-        # GPU work is asynchronous: wait for it where the step is cut into parts.
-        synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-        sampler = ShardSampler(len(dataset.train_x), assignment.rank, assignment.world, spec.batch_size, spec.seed)
-        trainer = Trainer(
-            model, session, assignment, spec.steps, evaluate=None, report_every=10**9, transport=transport
-        )
-        traffic = trainer.client.traffic
-        trainer.start()
-        model.train()
-        records = []
-        for step in range(spec.steps):
-            # Calls that end within this step count for it: a background exchange (asgd) ends
-            # while the next step computes.
-            before = dict(vars(traffic))
-            began = time.perf_counter()
-            idx = sampler.next_batch()
-            x, y = dataset.train_x[idx].to(device), dataset.train_y[idx].to(device)
-            loss = compute_loss(model, x, y, dataset.task)
-            loss.backward()
-            synchronize()
-            computed = time.perf_counter()
-            trainer.step(loss.item(), len(idx))
-            synchronize()
-            ended = time.perf_counter()
-            if step < warmup:
-                continue
-            d = {k: v - before[k] for k, v in vars(traffic).items() if k.endswith("_s")}
-            calls = d["push_s"] + d["pull_s"] + d["average_s"]
-            exchange = ended - computed
-            records.append(
-                {
-                    "step_s": ended - began,
-                    "compute_s": computed - began,
-                    "exchange_s": exchange,
-                    "encode_s": d["encode_s"],
-                    "push_s": d["push_s"],
-                    "pull_s": d["pull_s"],
-                    "decode_s": d["decode_s"],
-                    "average_s": d["average_s"],
-                    "wait_s": max(0.0, calls - d["encode_s"] - d["decode_s"]),
-                    "apply_s": max(0.0, exchange - calls),
-                    "overlap_s": max(0.0, calls - exchange),
-                }
-            )
-        trainer.finish()
-        results.put(("done", index, (sum(p.numel() for p in model.parameters()), records)))
-    except Exception as e:
-        results.put(("error", index, f"{type(e).__name__}: {e}"))
-    finally:
-        session.close()
+def _failure(index: int, p: subprocess.Popen, out: Path) -> str:
+    error = json.loads(out.read_text()).get("error") if out.exists() else None
+    return f"step bench worker {index}: {error or f'exited with status {p.returncode}'}"
+
+
+def _collect(processes: list[subprocess.Popen], outs: list[Path], timeout_s: float) -> list[tuple[int, list[dict]]]:
+    """Each worker's (params, per-step records) once all exited; RuntimeError at the first failure."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in processes):
+        for index, p in enumerate(processes):
+            if p.poll() not in (None, 0):
+                raise RuntimeError(_failure(index, p, outs[index]))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"step bench workers did not finish in {timeout_s:.0f} s")
+        time.sleep(0.1)
+    for index, p in enumerate(processes):
+        if p.returncode != 0 or not outs[index].exists():
+            raise RuntimeError(_failure(index, p, outs[index]))
+    return [(r["params"], r["records"]) for r in (json.loads(out.read_text()) for out in outs)]
 
 
 def measure_step(
@@ -181,36 +142,22 @@ def measure_step(
         eval_every=0,
         optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.01, momentum=0.9),
     )
-    ctx = mp.get_context("spawn")
-    with LocalCluster(shards=shards, workers=0, device=device) as cluster:
-        results = ctx.Queue()
-        processes = [
-            ctx.Process(target=_worker_main, args=(i, cluster.address, warmup, device, transport, results), daemon=True)
-            for i in range(workers)
-        ]
-        for p in processes:
-            p.start()
-        with Client(cluster.address) as client:
-            client.wait_for_cluster(shards, workers)
-            client.submit(spec)
-        log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards, on {device}, {transport}")
-        done: dict[int, tuple[int, list[dict]]] = {}
-        deadline = time.monotonic() + 3600
-        while len(done) < workers:
-            try:
-                what, index, value = results.get(timeout=5)
-            except queue.Empty:
-                if time.monotonic() > deadline or not all(p.is_alive() or p.exitcode == 0 for p in processes):
-                    raise RuntimeError("step bench workers failed; see the cluster logs") from None
-                continue
-            if what == "error":
-                raise RuntimeError(f"step bench worker {index}: {value}")
-            done[index] = value
-        for p in processes:
-            p.join(timeout=30)
-    per_worker = [
-        {k: statistics.median(r[k] for r in records) for k in (*_FIELDS, "overlap_s")} for _, records in done.values()
-    ]
+    with LocalCluster(shards=shards, workers=0, device=device) as cluster, tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"worker-{i}.json" for i in range(workers)]
+        processes = [_spawn_worker(i, cluster.address, warmup, device, transport, outs[i]) for i in range(workers)]
+        try:
+            with Client(cluster.address) as client:
+                client.wait_for_cluster(shards, workers)
+                client.submit(spec)
+            log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards, on {device}, "
+                f"{transport}")  # fmt: skip
+            done = _collect(processes, outs, timeout_s=3600)
+        finally:
+            for p in processes:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    per_worker = [{k: statistics.median(r[k] for r in records) for k in (*_FIELDS, "overlap_s")} for _, records in done]
     mean = {k: statistics.mean(w[k] for w in per_worker) for k in per_worker[0]}
     exposed = mean["push_s"] + mean["pull_s"] + mean["average_s"] - mean["overlap_s"]
     return StepBreakdown(
@@ -223,7 +170,7 @@ def measure_step(
         codec=codec,
         device=device,
         transport=transport,
-        params=next(iter(done.values()))[0],
+        params=done[0][0],
         exposed_comm_fraction=exposed / mean["step_s"] if mean["step_s"] else 0.0,
         steps=steps,
         **mean,
@@ -258,7 +205,7 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default="resnet18", help="mlp, cnn, resnet18, transformer or package.module:function.")
 @click.option("--dataset", default="synthetic-images", help="digits, synthetic-images, synthetic-tokens, ...")
-@click.option("--scheme", default="asgd", type=click.Choice(list(RULES)), help="Consistency scheme.")
+@click.option("--scheme", default="asgd", type=click.Choice(list(SCHEMES)), help="Consistency scheme.")
 @click.option("--workers", default=2, type=click.IntRange(min=1))
 @click.option("--shards", default=2, type=click.IntRange(min=1))
 @click.option("--batch-size", default=32, type=click.IntRange(min=1))
@@ -276,7 +223,18 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
 @json_option("Write the result here.")
 @one_line_errors
 def step(
-    model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, transport, json_path
+    model: str,
+    dataset: str,
+    scheme: str,
+    workers: int,
+    shards: int,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    codec: str,
+    device: str,
+    transport: str,
+    json_path: Path | None,
 ) -> None:
     """Time of one training step: compute, encode, push, wait, pull, decode, apply; overlap."""
     try:

@@ -29,8 +29,9 @@ from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 from client.usage import one_line_errors, output_file
-from gpu_worker.ps_client import TRANSPORTS
 from gradps.device import device_option
+from gradps.parameter_client import TRANSPORTS
+from gradps.placement import DEFAULT_PART_SIZE
 
 MiB = 1 << 20
 # By default a round moves at least this many bytes per worker (small sizes repeat in a round).
@@ -87,7 +88,7 @@ def measure_transport(
     transports: Sequence[str] = TRANSPORTS,
     rounds: int = 5,
     warmup: int = 2,
-    part_size: int = 4 * MiB,
+    part_size: int = DEFAULT_PART_SIZE,
     round_mib: float = ROUND_MIB,
     device: str = "cpu",
     console: Console | None = None,
@@ -228,7 +229,9 @@ def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) ->
 @click.option("--codec", "codecs", default="none", callback=parse_codecs, help="Push codecs, e.g. none,int8.")
 @transport_option((*TRANSPORTS, COLOCATED))
 @click.option("--rounds", default=5, type=click.IntRange(min=1), help="Timed rounds per configuration.")
-@click.option("--part-size", default=4.0, type=click.FloatRange(min=0.001, max=64), help="Part size, MiB.")
+@click.option(
+    "--part-size", default=DEFAULT_PART_SIZE / MiB, type=click.FloatRange(min=0.001, max=64), help="Part size, MiB."
+)
 @click.option(
     "--round-mib", default=ROUND_MIB, type=click.FloatRange(min=0, min_open=True), help="Least MiB a round moves."
 )
@@ -243,7 +246,17 @@ def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) ->
 )
 @one_line_errors
 def transport(
-    sizes, shards_list, workers_list, codecs, transports, rounds, part_size, round_mib, device, json_path, plot_path
+    sizes: list[float],
+    shards_list: list[int],
+    workers_list: list[int],
+    codecs: list[str],
+    transports: list[str],
+    rounds: int,
+    part_size: float,
+    round_mib: float,
+    device: str,
+    json_path: Path | None,
+    plot_path: Path | None,
 ) -> None:
     """Push + pull through real shard processes beside loopback TCP and gloo all_reduce."""
     if any(s <= 0 for s in sizes):

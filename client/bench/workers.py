@@ -12,7 +12,12 @@ import multiprocessing as mp
 import os
 import queue
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gradps.worker_session import WorkerSession
 
 MiB = 1 << 20
 
@@ -31,7 +36,7 @@ class Job:
     rounds: int
     # Iterations per round (small sizes repeat to make a round long enough to time).
     iters: int
-    # Where payloads travel (gpu_worker.ps_client.TRANSPORTS): shared memory, data streams, or
+    # Where payloads travel (gradps.transport.TRANSPORTS): shared memory, data streams, or
     # the gRPC messages; or "colocated": shared memory with shard rank % shards, data streams with
     # the others. The bench checks that every shard got what was asked.
     transport: str = "shm"
@@ -39,13 +44,13 @@ class Job:
     device: str = "cpu"
 
 
-def _run_job(index: int, session, job: Job, commands: mp.Queue, results: mp.Queue) -> None:
+def _run_job(index: int, session: WorkerSession, job: Job, commands: mp.Queue, results: mp.Queue) -> None:
     """Join the job's run, time its rounds, report, and leave the run."""
     import torch
 
     from client.bench.options import COLOCATED
-    from gpu_worker.ps_client import ParameterClient, tensor_specs
     from gradps.codecs import parse_codec
+    from gradps.parameter_client import ParameterClient, tensor_specs
     from gradps.v1 import coordinator_pb2 as cpb
     from gradps.v1 import tensor_pb2
 
@@ -112,7 +117,7 @@ def _worker_main(index: int, coordinator: str, commands: mp.Queue, results: mp.Q
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from gpu_worker.session import WorkerSession
+    from gradps.worker_session import WorkerSession
 
     torch.set_num_threads(1)
     session = WorkerSession(coordinator, name=f"bench-{index}")
@@ -170,13 +175,13 @@ class BenchWorkers:
         for p in self._processes:
             p.start()
         self.pids = [p.pid for p in self._processes]
-        self._early: list[list[tuple[str, object]]] = [[] for _ in range(count)]
+        self._early: list[list[tuple[str, Any]]] = [[] for _ in range(count)]
         self._chosen: list[int] = []
         # The coordinator gives a run the idle workers with the lowest ids: order them by id.
         joined = dict(self._expect("joined", range(count)))
         self._order = sorted(range(count), key=lambda i: joined[i])
 
-    def _expect(self, kind: str, indices) -> list[tuple[int, object]]:
+    def _expect(self, kind: str, indices: Iterable[int]) -> list[tuple[int, Any]]:
         """Wait for the next message of each worker in `indices`, which must be a `kind`.
 
         A worker may run ahead (its next message arrives while others are still awaited): what
@@ -236,5 +241,5 @@ class BenchWorkers:
     def __enter__(self) -> BenchWorkers:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -8,6 +8,7 @@ from gpu_worker.schemes.pseudosync import PseudosyncWorker
 from gpu_worker.schemes.ssp import SspWorker
 from gpu_worker.schemes.sync import SyncWorker
 from gpu_worker.schemes.wagma import WagmaWorker
+from gradps.schemes import check_implemented
 
 WORKER_SCHEMES: dict[str, type[WorkerScheme]] = {
     "asgd": AsgdWorker,
@@ -16,5 +17,6 @@ WORKER_SCHEMES: dict[str, type[WorkerScheme]] = {
     "wagma": WagmaWorker,
     "pseudosync": PseudosyncWorker,
 }
+check_implemented(WORKER_SCHEMES, "worker rules")
 
 __all__ = ["WORKER_SCHEMES", "WorkerScheme"]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpu_worker.schemes.base import WorkerScheme
+
+if TYPE_CHECKING:
+    from gpu_worker.trainer import Trainer
 
 
 class AsgdWorker(WorkerScheme):
@@ -19,7 +23,7 @@ class AsgdWorker(WorkerScheme):
     weights one exchange older than a blocking fetch would give, and the loop waits only for
     what the exchange takes beyond a step's compute (docs/performance.md, "A training step")."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
         sp = trainer.spec.scheme_params
         self.n_push = max(1, sp.n_push)

@@ -29,13 +29,6 @@ def _cube(world: int, group_size: int) -> tuple[int, int]:
     return m, max(1, d)
 
 
-def phases(world: int, group_size: int) -> int:
-    """Steps after which every rank's information has reached every other rank."""
-    if world <= 1 or group_size <= 1:
-        return 1
-    return _cube(world, min(group_size, world))[1]
-
-
 def groups(step: int, world: int, group_size: int) -> list[list[int]]:
     """The partition of ranks 0..P-1 into groups at `step`."""
     if group_size < 1:

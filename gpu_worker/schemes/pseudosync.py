@@ -13,15 +13,19 @@ bit-identical. `fixed_alpha` keeps a fixed; a = 1 is the plain one-step-delayed 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpu_worker.schemes.base import WorkerScheme
-from ps_server.optimizer import ScheduledOptimizer
+from gradps.optimizer import ScheduledOptimizer
+
+if TYPE_CHECKING:
+    from gpu_worker.trainer import Trainer
 
 
 class PseudosyncWorker(WorkerScheme):
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
         sp = trainer.spec.scheme_params
         self.alpha = sp.alpha or 0.5

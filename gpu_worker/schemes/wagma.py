@@ -4,15 +4,20 @@ global synchronous average. The group round is wait-avoiding: see ps_server/sche
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from gpu_worker.schemes.base import WorkerScheme
 from gpu_worker.schemes.group_schedule import default_group_size, group_of
-from ps_server.optimizer import ScheduledOptimizer
+from gradps.optimizer import ScheduledOptimizer
+
+if TYPE_CHECKING:
+    from gpu_worker.trainer import Trainer
 
 
 class WagmaWorker(WorkerScheme):
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
         a = trainer.assignment
         sp = trainer.spec.scheme_params

@@ -1,6 +1,6 @@
 """Codecs for tensor parts on the wire (see proto/gradps/v1/tensor.proto and docs/compression.md).
 
-The rest of gradps calls `encode_part` on the sending side and `decode_part` or `accumulate_part`
+The rest of gradps calls `encode_part` on the sending side and `decode_part` or `decode_summand`
 on the receiving side; everything else here is the machinery behind them.
 """
 
@@ -13,18 +13,28 @@ import torch
 from gradps.codecs.base import Buffer, Codec, CodecError, check_count, flat_float32
 from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4, unwrap
-from gradps.codecs.registry import format_codec, get_codec, get_pull_codec, parse_codec
+from gradps.codecs.registry import (
+    CODECS,
+    codec_forms,
+    codec_syntax,
+    format_codec,
+    get_codec,
+    get_pull_codec,
+    parse_codec,
+)
 from gradps.codecs.sparse import SparseCodec, SparsePart
 from gradps.v1 import tensor_pb2
 
 __all__ = [
+    "CODECS",
     "Buffer",
     "Codec",
     "CodecError",
     "ErrorFeedback",
     "SparseCodec",
     "SparsePart",
-    "accumulate_part",
+    "codec_forms",
+    "codec_syntax",
     "decode_part",
     "decode_summand",
     "encode_part",
@@ -107,15 +117,3 @@ def decode_summand(
     if isinstance(codec, SparseCodec):
         return SparsePart(*codec.decode_sparse(payload, count, device), count)
     return codec.decode(payload, count, device)
-
-
-def accumulate_part(
-    payload: Buffer, is_lz4: bool, params: tensor_pb2.CodecParams, out: torch.Tensor, alpha: float = 1.0
-) -> None:
-    """out += alpha * decoded part, in place on out's device (`out`: 1-D float32, the part's count).
-
-    Sparse codecs add only their k values (`index_add_`), without a full-size decoded tensor.
-    Raises CodecError like `decode_part`; `out` is unchanged then.
-    """
-    codec = get_codec(params)
-    codec.add_decoded(unwrap(payload, is_lz4, codec.max_payload_bytes(out.numel())), out, alpha)

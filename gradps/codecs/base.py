@@ -16,6 +16,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from gradps.v1 import tensor_pb2
+
 if sys.byteorder != "little":  # payloads are little-endian and are viewed in place, never byte-swapped
     raise ImportError("gradps.codecs needs a little-endian host")
 
@@ -41,13 +43,27 @@ class Codec(abc.ABC):
     """One wire encoding of a part's float32 values.
 
     Subclasses implement `_encode`, `_decode` and the two size functions; the public `encode` and
-    `decode` validate their arguments first, so every codec rejects bad input the same way.
+    `decode` validate their arguments first, so every codec rejects bad input the same way. Their
+    class attributes are the codec's registration: `gradps.codecs.registry` derives the rest.
     """
 
     # Short name used in CLI strings and tables, e.g. "int8".
     name: ClassVar[str]
+    # The tensor.proto Codec enum value whose payload layout it writes.
+    enum: ClassVar[tensor_pb2.Codec]
     # True when decode(encode(x)) may differ from x (the sender then keeps error feedback).
     lossy: ClassVar[bool]
+    # True when weights may be pulled in it: a shard keeps no error feedback per puller, so only
+    # dense codecs whose values arrive whole.
+    pull: ClassVar[bool] = False
+    # The CodecParams fields it takes besides `codec` (the registry knows how the CLI writes each).
+    params: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_params(cls, params: tensor_pb2.CodecParams, generator: torch.Generator | None) -> Codec:
+        """The codec for `params` (already checked against `cls.params`); `generator` drives
+        randomized codecs (torch's default when None)."""
+        return cls()
 
     def encode(self, values: torch.Tensor) -> bytes:
         """Encode a 1-D contiguous float32 CPU tensor into this codec's payload (little-endian).
@@ -90,11 +106,6 @@ class Codec(abc.ABC):
         """
         check_out(out)
         out.add_(self.decode(payload, out.numel(), out.device), alpha=alpha)
-
-    def estimate_ratio(self, count: int) -> float:
-        """Encoded bytes / float32 bytes for a part of `count` elements (1.0 when count is 0)."""
-        count = check_count(count)
-        return self.payload_bytes(count) / (4 * count) if count else 1.0
 
     @abc.abstractmethod
     def payload_bytes(self, count: int) -> int:

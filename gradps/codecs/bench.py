@@ -15,9 +15,10 @@ import torch
 
 from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4
-from gradps.codecs.registry import get_codec, parse_codec
+from gradps.codecs.registry import codec_forms, get_codec, parse_codec
 
-CODECS = ("none", "fp16", "bf16", "int8", "int8:stochastic", "topk:0.01", "randk:0.01", "sign")
+# Every registered codec form; sparse codecs keep 1%.
+CODECS = tuple(form.replace("RATIO", "0.01") for form in codec_forms())
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -91,7 +92,7 @@ def capture_gradients(
         optimizer.zero_grad()
         compute_loss(net, data.train_x[batch], data.train_y[batch], data.task).backward()
         if step % every == 0:
-            captured.append({name: p.grad.detach().clone() for name, p in net.named_parameters()})
+            captured.append({name: p.grad.detach().clone() for name, p in net.named_parameters() if p.grad is not None})
         optimizer.step()
     return captured
 

@@ -26,7 +26,7 @@ class ErrorFeedback:
 
         `grad` is the part's gradient (any shape, float dtype, any device); it is flattened and
         sent as float32. Lossless codecs just encode. When encoding fails (CodecError on NaN/Inf,
-        ValueError when the part's size changed without a reset), the part's residual is dropped
+        ValueError when the part's size changed), the part's residual is dropped
         rather than left half-updated.
         """
         flat = flat_float32(grad)  # may alias grad: only read
@@ -38,7 +38,7 @@ class ErrorFeedback:
         elif residual.numel() != flat.numel():
             raise ValueError(
                 f"error feedback for {key!r}: gradient has {flat.numel()} values, residual "
-                f"{residual.numel()}; call reset() when the placement changes"
+                f"{residual.numel()}; a key must name the same values at every push"
             )
         else:
             corrected = residual.add_(flat)  # reuse the residual's buffer for g + e
@@ -46,11 +46,3 @@ class ErrorFeedback:
         payload = codec.encode_subtract(corrected)
         self._residuals[key] = corrected
         return payload
-
-    def residual(self, key: Hashable) -> torch.Tensor | None:
-        """The part's current residual (flat float32), or None before its first lossy push."""
-        return self._residuals.get(key)
-
-    def reset(self) -> None:
-        """Forget every residual (call when the placement, and so the parts, change)."""
-        self._residuals.clear()

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from gradps.codecs.base import Codec, CodecError, check_length, empty_values, pack_scale, read_scale, view_as
+from gradps.v1 import tensor_pb2
 
 # Elements quantized per step: the float temporary (1 MiB) stays in cache instead of allocating
 # and faulting in a full-size float32 array per operation (2.5x faster at 64 MiB).
@@ -23,12 +24,18 @@ class Int8Codec(Codec):
     """Per-part absmax scaling to int8, round to nearest (default) or stochastic."""
 
     name = "int8"
+    enum = tensor_pb2.CODEC_INT8
     lossy = True
+    params = ("stochastic_rounding",)
 
     def __init__(self, stochastic_rounding: bool = False, generator: torch.Generator | None = None) -> None:
         """`generator` drives stochastic rounding (torch's default generator when None)."""
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
+
+    @classmethod
+    def from_params(cls, params: tensor_pb2.CodecParams, generator: torch.Generator | None) -> Int8Codec:
+        return cls(params.stochastic_rounding, generator)
 
     def payload_bytes(self, count: int) -> int:
         return 4 + count

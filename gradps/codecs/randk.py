@@ -12,17 +12,23 @@ import math
 import torch
 
 from gradps.codecs.sparse import SparseCodec
+from gradps.v1 import tensor_pb2
 
 
 class RandKCodec(SparseCodec):
     """Keeps k uniformly random elements."""
 
     name = "randk"
+    enum = tensor_pb2.CODEC_RANDK
 
     def __init__(self, ratio: float, generator: torch.Generator | None = None) -> None:
         """`generator` draws the indices (torch's default generator when None)."""
         super().__init__(ratio)
         self.generator = generator
+
+    @classmethod
+    def from_params(cls, params: tensor_pb2.CodecParams, generator: torch.Generator | None) -> RandKCodec:
+        return cls(params.ratio, generator)
 
     def select(self, values: torch.Tensor, k: int) -> torch.Tensor:
         return sample_indices(values.numel(), k, self.generator)

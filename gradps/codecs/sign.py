@@ -14,12 +14,14 @@ import numpy as np
 import torch
 
 from gradps.codecs.base import Codec, CodecError, check_length, empty_values, pack_scale, read_scale, view_as
+from gradps.v1 import tensor_pb2
 
 
 class SignCodec(Codec):
     """1 bit per element plus one scale per part."""
 
     name = "sign"
+    enum = tensor_pb2.CODEC_SIGN
     lossy = True
 
     def payload_bytes(self, count: int) -> int:

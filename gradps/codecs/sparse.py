@@ -25,6 +25,7 @@ from gradps.codecs.base import (
     view_as,
     zero_values,
 )
+from gradps.v1 import tensor_pb2
 
 _MAX_COUNT = 1 << 32  # indices are uint32
 
@@ -77,13 +78,19 @@ class SparsePart:
 
 
 class SparseCodec(Codec):
-    """Sends k = keep_count(ratio, count) (index, value) pairs chosen by `select`."""
+    """Sends k = keep_count(ratio, count) (index, value) pairs chosen by `select`. A receiver that
+    only sums parts takes them as SparsePart (`gradps.codecs.decode_summand`)."""
 
     lossy = True
+    params = ("ratio",)
 
     def __init__(self, ratio: float) -> None:
         """`ratio` is the fraction of elements kept, in (0, 1]."""
         self.ratio = check_ratio(ratio, self.name)
+
+    @classmethod
+    def from_params(cls, params: tensor_pb2.CodecParams, generator: torch.Generator | None) -> SparseCodec:
+        return cls(params.ratio)
 
     @abc.abstractmethod
     def select(self, values: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from gradps.codecs.sparse import SparseCodec
+from gradps.v1 import tensor_pb2
 
 # Magnitudes sampled to estimate the top-k threshold of a large part.
 _SAMPLE = 1 << 16
@@ -16,6 +17,7 @@ class TopKCodec(SparseCodec):
     """Keeps the k largest |x| (ties broken arbitrarily); error feedback carries the rest."""
 
     name = "topk"
+    enum = tensor_pb2.CODEC_TOPK
 
     def select(self, values: torch.Tensor, k: int) -> torch.Tensor:
         count = values.numel()

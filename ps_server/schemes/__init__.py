@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gradps.schemes import check_implemented
 from ps_server.schemes.asgd import AsgdRule
 from ps_server.schemes.base import ShardRule
 from ps_server.schemes.pseudosync import PseudosyncRule
@@ -16,5 +17,6 @@ RULES: dict[str, type[ShardRule]] = {
     "wagma": WagmaRule,
     "pseudosync": PseudosyncRule,
 }
+check_implemented(RULES, "shard rules")
 
 __all__ = ["RULES", "ShardRule"]

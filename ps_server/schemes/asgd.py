@@ -11,7 +11,7 @@ import torch
 
 from gradps.placement import PartKey
 from gradps.v1 import run_pb2
-from ps_server.run_state import Part, Push
+from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes.base import ShardRule
 
 _MEAN_SQUARE_MOMENTUM = 0.95
@@ -20,7 +20,7 @@ _MEAN_SQUARE_MOMENTUM = 0.95
 class AsgdRule(ShardRule):
     """w <- opt(w, g) on arrival; staleness = version now - version the gradient was computed on."""
 
-    def __init__(self, run) -> None:
+    def __init__(self, run: RunState) -> None:
         super().__init__(run)
         sp = run.spec.scheme_params
         self.staleness_lr = sp.staleness_lr
@@ -60,7 +60,7 @@ class AsgdRule(ShardRule):
         pulled = self.pulled.get(worker_id, {}).get(part.key)
         if pulled is None:
             return grad
-        lam = self.dc_lambda
+        lam: float | torch.Tensor = self.dc_lambda
         if self.dc_adaptive:
             ms = self.mean_square.get(part.key)
             ms = (

@@ -7,9 +7,10 @@ from typing import ClassVar
 
 import torch
 
+from gradps.errors import NotNow
 from gradps.placement import PartKey
 from gradps.v1 import run_pb2, shard_pb2
-from ps_server.run_state import Part, Push, PushRejected, RunState, Wait
+from ps_server.run_state import Part, Push, RunState, Wait
 
 
 class ShardRule(ABC):
@@ -33,7 +34,7 @@ class ShardRule(ABC):
 
     @abstractmethod
     def push(self, push: Push) -> int:
-        """Take a validated push; return its staleness. Raise PushRejected to refuse it whole."""
+        """Take a validated push; return its staleness. Raise NotNow to refuse it whole."""
 
     def membership_changed(self) -> None:  # noqa: B027 (optional hook)
         """The live workers changed; finish anything that was waiting for the dead."""
@@ -41,7 +42,7 @@ class ShardRule(ABC):
     def pull_ready(self, parts: list[Part], request: shard_pb2.PullRequest) -> bool:
         """May this pull be answered now? (Re-evaluated whenever the run changes.)"""
         if request.gradient:
-            raise PushRejected(f"scheme {self.run.spec.scheme!r} keeps no reduced gradients")
+            raise NotNow(f"scheme {self.run.spec.scheme!r} keeps no reduced gradients")
         return all(p.initialised and p.version >= request.min_version for p in parts)
 
     def pull_values(self, part: Part, request: shard_pb2.PullRequest) -> torch.Tensor:
@@ -64,5 +65,5 @@ class ShardRule(ABC):
 
         `deposit` holds every part of the run on this shard (the service checks it). `wait` is how
         the round waits for the other members (the caller's: it ends when the call does, with
-        CallEnded); `run.cond.wait_for` when None."""
-        raise PushRejected(f"scheme {self.run.spec.scheme!r} has no group rounds")
+        Cancelled or TimedOut); `run.cond.wait_for` when None."""
+        raise NotNow(f"scheme {self.run.spec.scheme!r} has no group rounds")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from gradps.errors import NotNow
 from gradps.placement import PartKey
 from gradps.v1 import shard_pb2
-from ps_server.run_state import Part, PushRejected
+from ps_server.run_state import Part, RunState
 from ps_server.schemes.base import ShardRule
 from ps_server.schemes.sync import SyncRule
 
@@ -21,7 +22,7 @@ class PseudosyncRule(SyncRule):
 
     max_ahead = 1
 
-    def __init__(self, run) -> None:
+    def __init__(self, run: RunState) -> None:
         super().__init__(run)
         self.reduced: dict[PartKey, dict[int, torch.Tensor]] = {}
 
@@ -39,7 +40,7 @@ class PseudosyncRule(SyncRule):
             if p.version <= request.gradient_step:
                 return False
             if request.gradient_step not in self.reduced.get(p.key, {}):
-                raise PushRejected(f"the gradient of step {request.gradient_step} is no longer kept")
+                raise NotNow(f"the gradient of step {request.gradient_step} is no longer kept")
         return True
 
     def pull_values(self, part: Part, request: shard_pb2.PullRequest) -> torch.Tensor:

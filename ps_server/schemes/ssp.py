@@ -4,14 +4,14 @@ live worker's clock is at least c - s. s = 0 waits like sync; s = infinity is as
 from __future__ import annotations
 
 from gradps.v1 import shard_pb2
-from ps_server.run_state import Part, Push
+from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes.asgd import AsgdRule
 
 
 class SspRule(AsgdRule):
     """Clocks are counted per worker as pushes applied (a worker's clock after step t is t + 1)."""
 
-    def __init__(self, run) -> None:
+    def __init__(self, run: RunState) -> None:
         super().__init__(run)
         self.staleness = run.spec.scheme_params.staleness
         self.clock: dict[int, int] = {}

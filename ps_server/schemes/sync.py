@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from gradps.codecs import SparsePart
+from gradps.errors import NotNow
 from gradps.placement import PartKey
-from ps_server.run_state import Part, Push, PushRejected
+from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes.base import ShardRule
 
 
@@ -23,7 +24,7 @@ class SyncRule(ShardRule):
     sums_sparse_parts = True
     pulls_race_updates = False
 
-    def __init__(self, run) -> None:
+    def __init__(self, run: RunState) -> None:
         super().__init__(run)
         # Per part and step: (sum of gradients, workers that contributed).
         self.pending: dict[PartKey, dict[int, tuple[torch.Tensor, set[int]]]] = {}
@@ -32,7 +33,7 @@ class SyncRule(ShardRule):
         for key in push.grads:
             version = self.run.parts[key].version
             if push.step > version + self.max_ahead:
-                raise PushRejected(f"step {push.step} is ahead of part {key[0]}/{key[1]} at step {version}")
+                raise NotNow(f"step {push.step} is ahead of part {key[0]}/{key[1]} at step {version}")
         completed = []
         for key, grad in push.grads.items():
             part = self.run.parts[key]

@@ -12,8 +12,9 @@ import logging
 
 import torch
 
+from gradps.errors import NotNow
 from gradps.placement import PartKey
-from ps_server.run_state import Push, PushRejected, Wait
+from ps_server.run_state import Push, RunState, Wait
 from ps_server.schemes.base import ShardRule
 
 # Deposits kept per worker and part: the newest, and one older in case a newer step arrives
@@ -28,7 +29,7 @@ RoundKey = tuple[int, frozenset[int]]
 
 
 class WagmaRule(ShardRule):
-    def __init__(self, run) -> None:
+    def __init__(self, run: RunState) -> None:
         super().__init__(run)
         # worker -> part -> [(step, values)], oldest first.
         self.deposits: dict[int, dict[PartKey, list[tuple[int, torch.Tensor]]]] = {}
@@ -38,7 +39,7 @@ class WagmaRule(ShardRule):
         self.frontier = 0
 
     def push(self, push: Push) -> int:
-        raise PushRejected("wagma workers exchange models with GroupAverage, not gradients")
+        raise NotNow("wagma workers exchange models with GroupAverage, not gradients")
 
     def group_average(
         self,
@@ -50,7 +51,7 @@ class WagmaRule(ShardRule):
         wait: Wait | None = None,
     ) -> tuple[dict[PartKey, torch.Tensor], int]:
         if worker_id not in self.run.live_workers:
-            raise PushRejected(f"worker {worker_id} is not a live member of the run")
+            raise NotNow(f"worker {worker_id} is not a live member of the run")
         mine = self.deposits.setdefault(worker_id, {})
         for key, values in deposit.items():
             history = [d for d in mine.get(key, []) if d[0] != step]
@@ -91,8 +92,8 @@ class WagmaRule(ShardRule):
         have not deposited yet are left out."""
         result = {}
         for key in keys:
-            found = [self._deposit(m, key, step) for m in sorted(members & self.run.live_workers)]
-            found = [v for v in found if v is not None]
+            deposits = (self._deposit(m, key, step) for m in sorted(members & self.run.live_workers))
+            found = [v for v in deposits if v is not None]
             total = found[0].clone()
             for values in found[1:]:
                 total.add_(values)

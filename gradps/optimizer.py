@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -24,8 +25,12 @@ def validate(spec: run_pb2.OptimizerSpec) -> None:
         raise ValueError(f"unknown optimizer {spec.name!r}; choose one of {', '.join(OPTIMIZERS)}")
     if not 0 < spec.lr < math.inf:  # also false for NaN
         raise ValueError(f"learning rate must be a positive number, got {spec.lr}")
-    if spec.schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {spec.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    _validate_terms(spec)
+    _validate_schedule(spec)
+
+
+def _validate_terms(spec: run_pb2.OptimizerSpec) -> None:
+    """Momentum, weight decay, eps and Adam's betas."""
     for name in ("momentum", "weight_decay", "eps"):  # eps 0: the default
         if not 0 <= getattr(spec, name) < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {getattr(spec, name)}")
@@ -34,6 +39,11 @@ def validate(spec: run_pb2.OptimizerSpec) -> None:
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(spec, name) < 1:
             raise ValueError(f"{name} must be in [0, 1) (0: the default), got {getattr(spec, name)}")
+
+
+def _validate_schedule(spec: run_pb2.OptimizerSpec) -> None:
+    if spec.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {spec.schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if not 0 <= spec.gamma <= 1:
         raise ValueError(f"gamma must be in [0, 1], got {spec.gamma}")
     if spec.schedule == "step" and (spec.step_size == 0 or spec.gamma == 0):
@@ -54,7 +64,7 @@ def learning_rate(spec: run_pb2.OptimizerSpec, update: int, total_steps: int) ->
     return lr
 
 
-def kernels(params: list[torch.Tensor]) -> dict[str, bool]:
+def kernels(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     """torch's fused kernels (one pass over memory per step) where every parameter allows them,
     else foreach kernels (one launch per op over all tensors). Fused Adam on CPU is ~6x faster
     than foreach, which makes several passes (docs/performance.md)."""
@@ -62,7 +72,7 @@ def kernels(params: list[torch.Tensor]) -> dict[str, bool]:
     return {"fused": True} if fused_ok and params else {"foreach": True}
 
 
-def make_optimizer(params: list[torch.Tensor], spec: run_pb2.OptimizerSpec) -> torch.optim.Optimizer:
+def make_optimizer(params: Sequence[torch.Tensor], spec: run_pb2.OptimizerSpec) -> torch.optim.Optimizer:
     """The torch optimizer a spec names, over `params` (fused or foreach kernels: see `kernels`)."""
     if spec.name == "sgd":
         return torch.optim.SGD(
@@ -92,15 +102,15 @@ class ScheduledOptimizer:
     optimizer.
     """
 
-    def __init__(self, params: list[torch.Tensor], spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], spec: run_pb2.OptimizerSpec, total_steps: int) -> None:
         self.spec = spec
         self.total_steps = total_steps
         self.updates = 0
         self.opt = make_optimizer(params, spec)
 
-    def step(self, lr_scale: float = 1.0) -> None:
+    def step(self) -> None:
         """One update from the gradients in the parameters' .grad."""
-        self.opt.param_groups[0]["lr"] = learning_rate(self.spec, self.updates, self.total_steps) * lr_scale
+        self.opt.param_groups[0]["lr"] = learning_rate(self.spec, self.updates, self.total_steps)
         self.opt.step()
         self.updates += 1
 
@@ -125,22 +135,32 @@ class ShardOptimizer:
     def apply(self, updates: list[tuple[PartKey, torch.Tensor, float]]) -> None:
         """w <- opt(w, grad) for each (part, grad, lr_scale), in order: a part listed twice is
         updated twice. Parts at the same schedule position and scale share one step."""
-        waves: list[dict[PartKey, tuple[torch.Tensor, float]]] = []
-        for key, grad, lr_scale in updates:
-            wave = next((w for w in waves if key not in w), None)
-            if wave is None:
-                waves.append(wave := {})
-            wave[key] = (grad, lr_scale)
-        for wave in waves:
+        for wave in _waves(updates):
             groups: dict[tuple[int, float], list[PartKey]] = {}
             for key, (_, lr_scale) in wave.items():
                 groups.setdefault((self.updates[key], lr_scale), []).append(key)
             for (position, lr_scale), keys in groups.items():
-                # Between steps no part holds a gradient: torch's step skips those without one.
-                for key in keys:
-                    self.params[key].grad = wave[key][0]
-                self.opt.param_groups[0]["lr"] = learning_rate(self.spec, position, self.total_steps) * lr_scale
-                self.opt.step()
-                for key in keys:
-                    self.params[key].grad = None
-                    self.updates[key] += 1
+                self._step({key: wave[key][0] for key in keys}, position, lr_scale)
+
+    def _step(self, grads: dict[PartKey, torch.Tensor], position: int, lr_scale: float) -> None:
+        """One fused step over the parts in `grads`, all at schedule `position`."""
+        assert self.opt is not None  # there are parts, so there is an optimizer
+        # Between steps no part holds a gradient: torch's step skips those without one.
+        for key, grad in grads.items():
+            self.params[key].grad = grad
+        self.opt.param_groups[0]["lr"] = learning_rate(self.spec, position, self.total_steps) * lr_scale
+        self.opt.step()
+        for key in grads:
+            self.params[key].grad = None
+            self.updates[key] += 1
+
+
+def _waves(updates: list[tuple[PartKey, torch.Tensor, float]]) -> list[dict[PartKey, tuple[torch.Tensor, float]]]:
+    """`updates` cut into waves in which each part appears at most once, in order."""
+    waves: list[dict[PartKey, tuple[torch.Tensor, float]]] = []
+    for key, grad, lr_scale in updates:
+        wave = next((w for w in waves if key not in w), None)
+        if wave is None:
+            waves.append(wave := {})
+        wave[key] = (grad, lr_scale)
+    return waves

@@ -1,4 +1,5 @@
-"""Defaults and validation of a RunSpec, applied by the coordinator when a run is submitted."""
+"""Defaults and validation of a RunSpec: the coordinator applies them to every submitted run, the
+CLI and the SDK check a spec with them before submitting it."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import math
 
 from gradps.channel import MAX_PART_BYTES
 from gradps.codecs import CodecError, get_codec, get_pull_codec
+from gradps.optimizer import validate as validate_optimizer
+from gradps.schemes import DEFAULT_SCHEME, default_params, fill_unset, get_scheme, validate_params
 from gradps.v1 import run_pb2, tensor_pb2
-from ps_server.optimizer import validate as validate_optimizer
-from ps_server.schemes import RULES
 
 # Workers of one run. Runs start first come, first served (gang scheduling), so a run that asks
 # for more workers than can ever join holds up every later run until it is stopped; this bound
@@ -18,6 +19,10 @@ MAX_WORKERS = 4096
 MAX_STEPS = 2**40
 # Passes over the data: steps derived from epochs (workers resolve them) stay within uint64.
 MAX_EPOCHS = 1e6
+# Evaluate every this many steps unless told otherwise (in the RunSpec, 0 disables it).
+EVAL_EVERY = 50
+# The step schedule's lr factor when none is given.
+STEP_GAMMA = 0.1
 
 
 def with_defaults(spec: run_pb2.RunSpec) -> run_pb2.RunSpec:
@@ -26,14 +31,14 @@ def with_defaults(spec: run_pb2.RunSpec) -> run_pb2.RunSpec:
     out.CopyFrom(spec)
     out.model = out.model or "mlp"
     out.dataset = out.dataset or "digits"
-    out.scheme = out.scheme or "sync"
+    out.scheme = out.scheme or DEFAULT_SCHEME
     opt = out.optimizer
     opt.name = opt.name or "sgd"
     if opt.lr == 0:
         opt.lr = 0.2
     opt.schedule = opt.schedule or "constant"
     if opt.schedule == "step" and opt.gamma == 0:
-        opt.gamma = 0.1
+        opt.gamma = STEP_GAMMA
     out.batch_size = out.batch_size or 32
     if out.steps == 0 and out.epochs == 0:
         out.epochs = 50
@@ -43,10 +48,16 @@ def with_defaults(spec: run_pb2.RunSpec) -> run_pb2.RunSpec:
     if out.pull_codec.codec == tensor_pb2.CODEC_UNSPECIFIED:
         out.pull_codec.codec = tensor_pb2.CODEC_NONE
     out.part_size = out.part_size or 4 * 1024 * 1024
-    sp = out.scheme_params
-    sp.n_push = sp.n_push or 1
-    sp.n_fetch = sp.n_fetch or 1
+    fill_unset(out.scheme_params)
     return out
+
+
+def default_spec() -> run_pb2.RunSpec:
+    """The run nobody chose anything for: `with_defaults`, plus the defaults of the fields whose 0
+    is a value of its own (ssp's staleness bound, eval_every, gamma). The CLI's and the SDK's
+    defaults."""
+    optimizer = run_pb2.OptimizerSpec(gamma=STEP_GAMMA)  # ready for a step schedule
+    return with_defaults(run_pb2.RunSpec(eval_every=EVAL_EVERY, optimizer=optimizer, scheme_params=default_params()))
 
 
 def validate(spec: run_pb2.RunSpec) -> None:
@@ -55,9 +66,15 @@ def validate(spec: run_pb2.RunSpec) -> None:
     Every field is checked, whichever scheme reads it: a spec the coordinator accepts must not
     fail later on a shard or a worker, nor wait for workers that can never join.
     """
-    if spec.scheme not in RULES:
-        raise ValueError(f"unknown scheme {spec.scheme!r}; choose one of {', '.join(sorted(RULES))}")
+    get_scheme(spec.scheme)
     validate_optimizer(spec.optimizer)
+    _validate_sizes(spec)
+    _validate_codecs(spec)
+    _validate_slowdowns(spec)
+    validate_params(spec.scheme_params)
+
+
+def _validate_sizes(spec: run_pb2.RunSpec) -> None:
     if not 1 <= spec.workers <= MAX_WORKERS:
         raise ValueError(f"workers must be in [1, {MAX_WORKERS}], got {spec.workers}")
     if spec.batch_size < 1:
@@ -68,6 +85,9 @@ def validate(spec: run_pb2.RunSpec) -> None:
         raise ValueError(f"epochs must be a number in [0, {MAX_EPOCHS:g}], got {spec.epochs}")
     if not 0 < spec.part_size <= MAX_PART_BYTES:
         raise ValueError(f"part_size must be in (0, 64 MiB], got {spec.part_size}")
+
+
+def _validate_codecs(spec: run_pb2.RunSpec) -> None:
     try:  # the registry's own checks, as the shards make them on every pushed or pulled part
         get_codec(spec.codec)
     except CodecError as e:
@@ -76,15 +96,12 @@ def validate(spec: run_pb2.RunSpec) -> None:
         get_pull_codec(spec.pull_codec)
     except CodecError as e:
         raise ValueError(str(e)) from None
+
+
+def _validate_slowdowns(spec: run_pb2.RunSpec) -> None:
     if not 0 <= spec.jitter <= 1:
         raise ValueError(f"jitter must be a probability in [0, 1], got {spec.jitter}")
     if not 0 <= spec.straggler_factor < math.inf:
         raise ValueError(f"straggler_factor must be a finite number >= 0, got {spec.straggler_factor}")
     if spec.straggler_factor > 1 and spec.straggler_rank >= spec.workers:
         raise ValueError(f"straggler rank {spec.straggler_rank} is not below workers={spec.workers}")
-    sp = spec.scheme_params
-    if not 0 <= sp.dc_lambda < math.inf:
-        raise ValueError(f"dc_lambda must be a finite number >= 0, got {sp.dc_lambda}")
-    for name in ("alpha", "alpha_min"):  # 0: the default
-        if not 0 <= getattr(sp, name) <= 1:
-            raise ValueError(f"{name} must be in (0, 1] (0: the default), got {getattr(sp, name)}")

@@ -1,0 +1,144 @@
+"""Domain errors, raised anywhere in a service and turned into gRPC status codes in one place.
+
+A handler or any helper below it raises one of these with a one-line message; the server
+interceptor that `gradps.channel.make_server` installs (`StatusInterceptor`) ends the call with
+the error's status code and that message. Nothing below a servicer takes the gRPC context to
+refuse a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+
+class GradpsError(Exception):
+    """A request refused, with the status code it earns."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+
+class Invalid(GradpsError):
+    """The request is malformed or contradicts what it refers to (shape, dtype, codec, bounds)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(GradpsError):
+    """An unknown run, part, worker or shard."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(GradpsError):
+    """Something with this id exists already, and differs from what the request would make."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class NotNow(GradpsError):
+    """Well formed, but not acceptable in the current state (a step ahead, a busy data stream,
+    the wrong scheme for the call)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Ended(NotNow):
+    """The run ended or was closed: no more pushes, pulls or rounds."""
+
+
+class TooLarge(GradpsError):
+    """A size or count beyond a limit, or memory that cannot be allocated."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OutOfRange(GradpsError):
+    """Values that do not fit what the caller asked for (a pull codec's range)."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class TimedOut(GradpsError):
+    """What the call waited for did not happen before its wait or deadline ended."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(GradpsError):
+    """The client went away while the call waited."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class DataLost(GradpsError):
+    """A payload's bytes did not arrive on the call's data stream; the client sends them again inline."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message as one line (torch's and others' may span several)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _abort(context: grpc.ServicerContext, e: GradpsError) -> None:
+    context.abort(e.code, one_line(e))
+
+
+def _unary(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return behaviour(request, context)
+        except GradpsError as e:
+            _abort(context, e)
+
+    return call
+
+
+def _streaming(behaviour: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from behaviour(request, context)
+        except GradpsError as e:
+            _abort(context, e)
+
+    return call
+
+
+class StatusInterceptor(grpc.ServerInterceptor):
+    """Ends a call whose handler raised a GradpsError with the error's code and message."""
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: Any
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        wrapped = {}
+        for kind in ("unary_unary", "stream_unary"):
+            if (behaviour := getattr(handler, kind)) is not None:
+                wrapped[kind] = _unary(behaviour)
+        for kind in ("unary_stream", "stream_stream"):
+            if (behaviour := getattr(handler, kind)) is not None:
+                wrapped[kind] = _streaming(behaviour)
+        return handler._replace(**wrapped)
+
+
+__all__ = [
+    "AlreadyExists",
+    "Cancelled",
+    "DataLost",
+    "Ended",
+    "GradpsError",
+    "Invalid",
+    "NotFound",
+    "NotNow",
+    "OutOfRange",
+    "StatusInterceptor",
+    "TimedOut",
+    "TooLarge",
+    "one_line",
+]

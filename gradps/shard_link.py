@@ -1,0 +1,157 @@
+"""A worker's link to one shard for one run: its channel, the bulk calls, the route its payloads
+take (a Route of gradps/transport/), retries and the fall-back to the messages."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+import grpc
+
+from gradps import wire
+from gradps.channel import open_channel
+from gradps.data_stream import StreamError
+from gradps.transport import (
+    TRANSPORTS,
+    Buffer,
+    DataStreamRoute,
+    Inbound,
+    Item,
+    Outbound,
+    Route,
+    SharedMemoryRoute,
+    frame,
+    unframe,
+)
+from gradps.transport.data_stream import as_buffer
+from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
+
+_LOGGER = logging.getLogger("gradps.worker")
+_SERVICE = "/gradps.v1.ShardService/"
+# Codes after which a push is made again: it is idempotent per (worker, step).
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_ATTEMPTS = 3
+T = TypeVar("T")
+# Takes one received part: (metadata, the call's inbound route, bytes that came with it); returns
+# the payload bytes it took.
+Take = Callable[[tensor_pb2.TensorPart, Inbound, Buffer], int]
+
+
+class ShardLink:
+    """One shard as a worker reaches it. The bulk calls send and receive raw bytes (gradps/wire.py):
+    one copy of each payload."""
+
+    def __init__(
+        self, index: int, address: str, run_id: str, worker_id: int, part_counts: list[int], timeout_s: float
+    ) -> None:
+        self.index = index
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ids = (run_id, worker_id)
+        self._part_counts = part_counts
+        self.channel = open_channel(address)
+        self.stub = shard_pb2_grpc.ShardServiceStub(self.channel)
+        raw, ch = None, self.channel
+        self._push = ch.stream_unary(_SERVICE + "Push", raw, shard_pb2.PushResponse.FromString)
+        self._register = ch.stream_unary(
+            _SERVICE + "RegisterTensors", raw, shard_pb2.RegisterTensorsResponse.FromString
+        )
+        self._pull = ch.unary_stream(_SERVICE + "Pull", shard_pb2.PullRequest.SerializeToString, raw)
+        self._average = ch.stream_stream(_SERVICE + "GroupAverage", raw, raw)
+        self.route = Route()
+
+    def set_up(self, transport: str, local: bool) -> None:
+        """Choose the route: shared memory (`transport` "shm" and the shard `local`), else a data
+        stream (unless "grpc"), else the messages; each where it can be set up."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+        run_id, worker_id = self._ids
+        route: Route | None = None
+        if transport == "shm" and local:
+            route = SharedMemoryRoute.map(self.stub, run_id, worker_id, self._part_counts, self.timeout_s)
+        if route is None and transport != "grpc":
+            host = self.address.rsplit(":", 1)[0].strip("[]")
+            route = DataStreamRoute.connect(self.stub, host, run_id, worker_id, self.timeout_s)
+        self.route = route or Route()
+
+    def register(self, header: shard_pb2.RegisterTensorsRequest, items: Iterable[Item]) -> None:
+        """Upload initial values, one part a message, inline."""
+        head = header.SerializeToString()
+        messages = (b"".join(wire.part_message(head, 2, meta, as_buffer(data))) for meta, data in items)
+        self._register(messages, timeout=self.timeout_s)
+
+    def push(self, header: shard_pb2.PushRequest, items: Iterable[Item]) -> shard_pb2.PushResponse:
+        """Push `items`; made again (the items framed again, not encoded again) after a broken
+        route, or an UNAVAILABLE or DEADLINE_EXCEEDED answer."""
+
+        def call(out: Outbound, _: Inbound) -> shard_pb2.PushResponse:
+            return self._push(_until_broken(frame(header, items, out)), timeout=self.timeout_s)
+
+        return self._attempts(call, send=True, receive=False, retry=_RETRYABLE)
+
+    def pull(self, request: shard_pb2.PullRequest, take: Take) -> int:
+        """Pull `request`, each part handed to `take`; returns the payload bytes received."""
+
+        def call(_: Outbound, inbound: Inbound) -> int:
+            named = shard_pb2.PullRequest()
+            named.CopyFrom(request)
+            inbound.name_in(named)
+            received = 0
+            for message in self._pull(named, timeout=self.timeout_s + 5):
+                received += sum(take(meta, inbound, data) for meta, data in unframe(message, shard_pb2.PullResponse)[1])
+            return received
+
+        return self._attempts(call, send=False, receive=True)
+
+    def exchange(self, header: shard_pb2.GroupAverageRequest, items: Iterable[Item], take: Take) -> int:
+        """A group round: deposit `items`, hand each part of the average to `take`. A deposit
+        sent again replaces the first; a fixed round answers again the same."""
+
+        def call(out: Outbound, inbound: Inbound) -> int:
+            named = shard_pb2.GroupAverageRequest()
+            named.CopyFrom(header)
+            inbound.name_in(named)  # frame copies it again for the outbound to name itself
+            received = 0
+            for message in self._average(_until_broken(frame(named, items, out)), timeout=self.timeout_s):
+                parts = unframe(message, shard_pb2.GroupAverageResponse)[1]
+                received += sum(take(meta, inbound, data) for meta, data in parts)
+            return received
+
+        return self._attempts(call, send=True, receive=True)
+
+    def _attempts(
+        self, call: Callable[[Outbound, Inbound], T], send: bool, receive: bool, retry: Iterable[grpc.StatusCode] = ()
+    ) -> T:
+        """`call` through the route, made again inline when the route broke under it."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                with self.route.call(send, receive) as (out, inbound):
+                    return call(out, inbound)
+            except (grpc.RpcError, StreamError) as e:
+                code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.DATA_LOSS
+                if attempt == _ATTEMPTS or (code != grpc.StatusCode.DATA_LOSS and code not in retry):
+                    raise
+                if code == grpc.StatusCode.DATA_LOSS:
+                    _LOGGER.warning("shard %d: %s; payloads inline for now", self.index, _reason(e))
+                else:
+                    time.sleep(0.2 * attempt)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.route.close()
+        self.channel.close()
+
+
+def _until_broken(messages: Iterator[bytes]) -> Iterator[bytes]:
+    """A call's messages, ending early when the route broke sending a payload: the shard, short
+    of its bytes, then fails the call with DATA_LOSS and it is made again inline."""
+    try:
+        yield from messages
+    except StreamError:
+        return
+
+
+def _reason(e: Exception) -> str:
+    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)

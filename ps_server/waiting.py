@@ -1,0 +1,40 @@
+"""How a shard's handler waits on a run (a sync pull, an ssp clock, a wagma round) without
+outliving its call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from gradps.channel import wait_for_call
+from gradps.errors import Cancelled, Ended, TimedOut
+from ps_server.run_state import RunState, Wait
+
+# The slices in which a waiting call checks that its client is still there and its deadline not passed.
+_WAIT_SLICE_S = 0.25
+
+
+def call_wait(run: RunState, context: grpc.ServicerContext, waiting: str) -> Wait:
+    """How a call waits on `run.cond` (held) for what `waiting` names: a call whose client
+    cancelled or whose deadline passed frees its thread at once (Cancelled, TimedOut) rather than
+    after its whole wait; a run that ended or closed meanwhile ends the wait (Ended)."""
+
+    def ready_or_over(ready: Callable[[], bool]) -> bool:
+        if ready():
+            return True
+        if run.closed or run.ended:
+            raise Ended(f"run {run.run_id!r} {'was closed on this shard' if run.closed else 'ended'}")
+        return False
+
+    def wait(ready: Callable[[], bool], timeout_s: float) -> bool:
+        if wait_for_call(run.cond, lambda: ready_or_over(ready), timeout_s, context, _WAIT_SLICE_S):
+            return True
+        if not context.is_active():
+            raise Cancelled(f"{waiting}: the call was cancelled")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise TimedOut(f"{waiting}: the call's deadline passed")
+        return False
+
+    return wait
