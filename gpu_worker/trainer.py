@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from gpu_worker.schemes import WORKER_SCHEMES
+from gpu_worker.schemes.base import Replica
 from gradps.parameter_client import ParameterClient, tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
@@ -68,7 +69,8 @@ class Trainer:
             self.spec.pull_codec,
             transport=transport,
         )
-        self.scheme = WORKER_SCHEMES[self.spec.scheme](self)
+        replica = Replica(model, self.params, self.client, self.spec, assignment, total_steps)
+        self.scheme = WORKER_SCHEMES[self.spec.scheme](replica)
         self.steps_done = 0
         self.samples = 0
         self._loss_sum = 0.0
@@ -86,10 +88,6 @@ class Trainer:
         began = time.perf_counter()
         self.scheme.start()
         self._wait_s += time.perf_counter() - began
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        """The current gradient of every parameter (zeros where backward left none)."""
-        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params.items()}
 
     def step(self, loss: float, samples: int) -> None:
         """Exchange with the shards after one backward pass, then clear the gradients."""
@@ -126,7 +124,7 @@ class Trainer:
     def finish(self) -> cpb.Metrics:
         """Bring the replica to the final global model, evaluate it, report done."""
         with torch.no_grad():
-            self.scheme.finish()
+            self.scheme.finish(self.steps_done)
         metrics = self._report(self.evaluate is not None, done=True)
         self.client.close()
         return metrics

@@ -73,6 +73,12 @@ class Cancelled(GradpsError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Unavailable(GradpsError):
+    """A service the request needs (a shard, for the coordinator) did not answer."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class DataLost(GradpsError):
     """A payload's bytes did not arrive on the call's data stream; the client sends them again inline."""
 
@@ -140,5 +146,6 @@ __all__ = [
     "StatusInterceptor",
     "TimedOut",
     "TooLarge",
+    "Unavailable",
     "one_line",
 ]

@@ -104,10 +104,11 @@ class ParameterClient:
         self._push_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="push")
         self._pinned = False
         _LOGGER.info(
-            "run %s: payloads to shards %s through shared memory, to %s on data streams",
+            "run %s: payloads to shards %s through shared memory, to %s on data streams, to %s inline",
             run_id,
             self.shared_shards,
             self.streamed_shards,
+            [s for s in self._owners if not self.links[s].route.open],
         )
 
     @property
@@ -226,6 +227,7 @@ class ParameterClient:
         for p in self._parts[shard]:
             began = time.perf_counter()
             values = flat[p.name][p.offset : p.offset + p.count]
+            payload: torch.Tensor | bytes
             if is_plain(self.codec) and values.is_contiguous():
                 # Lossless: the values themselves (on their device), copied once, into the segment
                 # or the message, after the check the codec makes.
@@ -248,7 +250,7 @@ class ParameterClient:
             began = time.perf_counter()
             target = flat[meta.name][meta.offset : meta.offset + meta.count]
             direct = target.device.type == "cpu" and target.is_contiguous() and plain_payload(meta)
-            payload = inbound.payload(meta, data, memoryview(target.numpy()).cast("B") if direct else None)
+            payload = inbound.payload(meta, data, target.numpy().data.cast("B") if direct else None)
             if payload is not None:
                 copy_part_into(target, meta, payload)
             if record_versions:

@@ -128,7 +128,8 @@ class Segment:
             # Not through a link: a worker must not make this process write a file elsewhere.
             fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
-            reason = {errno.ENOENT: "not on this host", errno.ELOOP: "a symbolic link"}.get(e.errno, e.strerror)
+            reasons = {errno.ENOENT: "not on this host", errno.ELOOP: "a symbolic link"}
+            reason = reasons.get(e.errno or 0, e.strerror)
             raise SegmentError(f"cannot open segment {name}: {reason}") from None
         try:
             status = os.fstat(fd)
@@ -191,7 +192,7 @@ class Segment:
     def region(self, offset: int, length: int) -> memoryview:
         """Bytes [offset, offset + length), checked."""
         self.check(offset, length)
-        return memoryview(self._bytes[offset : offset + length])
+        return self._bytes[offset : offset + length].data
 
     def floats(self, offset: int, count: int) -> torch.Tensor:
         """`count` float32 values at `offset`, as a tensor viewing the segment."""

@@ -11,7 +11,8 @@ with the generated code. Everything but the payload still goes through protobuf.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -76,7 +77,7 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: memoryview, pos: int, end: int):
+def _fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
     """(field number, wire type, key start, value start, value end) of each field in buf[pos:end]."""
     while pos < end:
         key_start = pos
@@ -134,7 +135,7 @@ def split_message(message: Buffer, part_field: int) -> tuple[bytes, tensor_pb2.T
     return rest, part_meta, payload
 
 
-def parts_of(message) -> list[tensor_pb2.TensorPart]:
+def parts_of(message: Any) -> list[tensor_pb2.TensorPart]:
     """A parsed message's parts: its `part` if set, then its repeated `parts` if it has them."""
     first = [message.part] if message.HasField("part") else []
     return first + list(getattr(message, "parts", ()))
@@ -146,7 +147,7 @@ class PartBatch:
 
     def __init__(self, new: Callable[[], Message]) -> None:
         self.new = new
-        self._message = new()
+        self._message: Any = new()
         self._bytes = 0
 
     def add(self, meta: tensor_pb2.TensorPart, payload: Buffer = b"") -> Message | None:
@@ -171,7 +172,7 @@ class _Capture:
         self.service = ""
         self.handlers: dict[str, grpc.RpcMethodHandler] = {}
 
-    def add_generic_rpc_handlers(self, handlers) -> None:
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
         pass
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:

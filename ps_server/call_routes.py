@@ -100,10 +100,15 @@ def _claimed(
         if io is None:
             raise NotNow(f"data stream {stream.id} is busy or closed")
         finished = False
+
         # A call that ends before its bytes did (the client cancelled, or left) would leave this
         # thread blocked on the socket until the deadline: closing the stream fails that read or
         # write at once (the worker reopens a stream in the background).
-        context.add_callback(lambda: finished or stream.close())
+        def close_unless_finished() -> None:
+            if not finished:
+                stream.close()
+
+        context.add_callback(close_unless_finished)
         try:
             yield io
         finally:

@@ -27,7 +27,7 @@ from gradps.channel import (
     wait_for_call,
     write_port_file,
 )
-from gradps.errors import Ended, GradpsError, Invalid, NotFound, NotNow
+from gradps.errors import Ended, Invalid, NotFound, NotNow, Unavailable
 from gradps.placement import place
 from gradps.run_spec import validate, with_defaults
 from gradps.v1 import coordinator_pb2 as cpb
@@ -47,12 +47,6 @@ _DEFAULT_ASSIGNMENT_WAIT_S = 10.0
 _MAX_ASSIGNMENT_WAIT_S = 60.0
 # ... which wakes this often to notice a caller that went away (cancelled, or past its deadline).
 _WAIT_SLICE_S = 0.5
-
-
-class ShardUnavailable(GradpsError):
-    """A shard that the request needs did not answer."""
-
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass
@@ -184,7 +178,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                         out.part.CopyFrom(part)
                         yield out
             except grpc.RpcError as e:
-                raise ShardUnavailable(f"shard {index} at {address}: {e.code().name}: {e.details()}") from None
+                raise Unavailable(f"shard {index} at {address}: {e.code().name}: {e.details()}") from None
 
     # ---- shards and workers -------------------------------------------------------------------
 
@@ -388,7 +382,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             try:
                 self._stub(address).OpenRun(request, timeout=30)
             except grpc.RpcError as e:
-                raise ShardUnavailable(f"shard {index} at {address}: {e.details()}") from None
+                raise Unavailable(f"shard {index} at {address}: {e.details()}") from None
 
     def _close_old_runs(self) -> None:
         ended = [r for r in self._runs.values() if r.ended and r.placement is not None and r.opened_on_shards]

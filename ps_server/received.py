@@ -58,6 +58,7 @@ def receive(call: Call, messages: Iterable[bytes], claims: ExitStack, context: g
     """Read the whole call; a data stream it names is held (in `claims`) until every part is read."""
     got: Received | None = None
     key: Hashable = None
+    request: Any
     for message in messages:
         request, parts = unframe(message, call.message_type)
         if got is None:
@@ -98,7 +99,7 @@ def decode_received(
     try:
         if meta.streamed and plain_payload(meta) and meta.streamed == 4 * meta.count:
             values = torch.empty(meta.count)
-            inbound.payload(meta, data, memoryview(values.numpy()).cast("B"))
+            inbound.payload(meta, data, values.numpy().data.cast("B"))
             require_finite(values, "none: decoded values")
             return values.to(device), meta.streamed
         payload = inbound.payload(meta, data)

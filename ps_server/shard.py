@@ -55,6 +55,9 @@ _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 _MAX_SEGMENTS_PER_WORKER = 4
 # Likewise data streams.
 _MAX_STREAMS_PER_WORKER = 4
+# A pulled part's payload: float32 values (codec none, copied where they are placed), or a
+# codec's bytes and lz4 flag.
+_Payload = torch.Tensor | tuple[bytes, bool]
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
@@ -338,7 +341,7 @@ def _meta(part: Part, codec: tensor_pb2.CodecParams, version: int) -> tensor_pb2
     return meta
 
 
-def _fixed(part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams) -> torch.Tensor | tuple[bytes, bool] | None:
+def _fixed(part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams) -> _Payload | None:
     """A pull's payload of `values` copied now, unless they are the live weights (None): those
     are copied as they are sent."""
     if values.data_ptr() == part.values.data_ptr():
@@ -349,7 +352,7 @@ def _fixed(part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams) -> t
 
 def _pulled(
     run: RunState,
-    chosen: list[tuple[Part, object]],
+    chosen: list[tuple[Part, _Payload | None]],
     codec: tensor_pb2.CodecParams,
     shared: bool,
     context: grpc.ServicerContext,
@@ -360,13 +363,16 @@ def _pulled(
             return  # cancelled: the worker may have reused its area for its next pull
         payload = _payload(part, part.values, codec) if fixed is None else fixed
         meta = _meta(part, codec, part.version)
-        if not isinstance(payload, torch.Tensor):
-            payload, meta.lz4 = payload
-        run.bytes_pulled += 4 * part.count if isinstance(payload, torch.Tensor) else len(payload)
-        yield meta, payload
+        if isinstance(payload, torch.Tensor):
+            run.bytes_pulled += 4 * part.count
+            yield meta, payload
+        else:
+            data, meta.lz4 = payload
+            run.bytes_pulled += len(data)
+            yield meta, data
 
 
-def _payload(part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams) -> torch.Tensor | tuple[bytes, bool]:
+def _payload(part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams) -> _Payload:
     """`values` as a pull sends them: the values themselves for `none` (copied once, where they
     are placed), else the codec's payload and lz4 flag. FAILED_PRECONDITION when they are not
     finite (the run diverged: no codec can send them), OUT_OF_RANGE when they do not fit the codec."""

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_worker.schemes.base import WorkerScheme
-
-if TYPE_CHECKING:
-    from gpu_worker.trainer import Trainer
+from gpu_worker.schemes.base import Replica, WorkerScheme
 
 
 class AsgdWorker(WorkerScheme):
@@ -23,12 +19,12 @@ class AsgdWorker(WorkerScheme):
     weights one exchange older than a blocking fetch would give, and the loop waits only for
     what the exchange takes beyond a step's compute (docs/performance.md, "A training step")."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        super().__init__(trainer)
-        sp = trainer.spec.scheme_params
+    def __init__(self, replica: Replica) -> None:
+        super().__init__(replica)
+        sp = replica.spec.scheme_params
         self.n_push = max(1, sp.n_push)
         self.n_fetch = max(1, sp.n_fetch)
-        self.lr = trainer.spec.optimizer.lr
+        self.lr = replica.spec.optimizer.lr
         self.accrued = {n: torch.zeros_like(p) for n, p in self.params.items()}
         # The gradient an exchange is pushing, and the weights it fetches: the loop does not
         # touch either while the exchange runs.
@@ -41,7 +37,7 @@ class AsgdWorker(WorkerScheme):
         self.client.pull(self.params)
 
     def after_backward(self, step: int) -> int:
-        grads = self.trainer.grads()
+        grads = self.replica.grads()
         for name, g in grads.items():
             self.accrued[name].add_(g)
         self._settle()
@@ -71,9 +67,9 @@ class AsgdWorker(WorkerScheme):
             for name, p in self.params.items():
                 p.copy_(self.fetched[name])
 
-    def finish(self) -> None:
+    def finish(self, steps_done: int) -> None:
         self._settle()
         self._exchanges.shutdown()
         if any(bool(acc.any()) for acc in self.accrued.values()):
-            self.client.push(self.accrued, self.trainer.steps_done)
+            self.client.push(self.accrued, steps_done)
         self.client.pull(self.params)

@@ -3,21 +3,39 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:
-    from gpu_worker.trainer import Trainer
+from gradps.parameter_client import ParameterClient
+from gradps.v1 import run_pb2
+from gradps.worker_session import Assignment
+
+
+@dataclass
+class Replica:
+    """What a scheme works with: this worker's model replica, its run and its link to the shards."""
+
+    model: torch.nn.Module
+    # The parameters that live on the shards, by name.
+    params: dict[str, torch.Tensor]
+    client: ParameterClient
+    spec: run_pb2.RunSpec
+    assignment: Assignment
+    total_steps: int
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The current gradient of every parameter (zeros where backward left none)."""
+        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params.items()}
 
 
 class WorkerScheme(ABC):
     """What a worker exchanges with the shards at the start, after each backward, and at the end."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.client = trainer.client
-        self.params = trainer.params
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.client = replica.client
+        self.params = replica.params
 
     @abstractmethod
     def start(self) -> None:
@@ -28,10 +46,10 @@ class WorkerScheme(ABC):
         """Gradients of step `step` are in the parameters' .grad; returns the next step (a scheme
         may skip steps, as a late wagma worker does)."""
 
-    def finish(self) -> None:
-        """Bring the replica to the final global model (default: pull it)."""
+    def finish(self, steps_done: int) -> None:
+        """Bring the replica to the final global model after `steps_done` steps (default: pull it)."""
         self.client.pull(self.params)
 
     def eval_model(self) -> torch.nn.Module:
         """The model whose test accuracy is reported: the replica, holding global weights."""
-        return self.trainer.model
+        return self.replica.model

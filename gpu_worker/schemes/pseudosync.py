@@ -13,25 +13,21 @@ bit-identical. `fixed_alpha` keeps a fixed; a = 1 is the plain one-step-delayed 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_worker.schemes.base import WorkerScheme
+from gpu_worker.schemes.base import Replica, WorkerScheme
 from gradps.optimizer import ScheduledOptimizer
-
-if TYPE_CHECKING:
-    from gpu_worker.trainer import Trainer
 
 
 class PseudosyncWorker(WorkerScheme):
-    def __init__(self, trainer: Trainer) -> None:
-        super().__init__(trainer)
-        sp = trainer.spec.scheme_params
+    def __init__(self, replica: Replica) -> None:
+        super().__init__(replica)
+        sp = replica.spec.scheme_params
         self.alpha = sp.alpha or 0.5
         self.alpha_min = sp.alpha_min or 0.1
         self.adaptive = not sp.fixed_alpha
-        self.optimizer = ScheduledOptimizer(list(self.params.values()), trainer.spec.optimizer, trainer.total_steps)
+        self.optimizer = ScheduledOptimizer(list(self.params.values()), replica.spec.optimizer, replica.total_steps)
         self.predicted: dict[str, torch.Tensor] | None = None
         # One thread each: pushes go out in step order, and G_t is fetched while the worker
         # computes step t + 1 (the wait for the reduction overlaps compute).
@@ -44,7 +40,7 @@ class PseudosyncWorker(WorkerScheme):
         self.client.pull(self.params)
 
     def after_backward(self, step: int) -> int:
-        grads = {n: g.clone() for n, g in self.trainer.grads().items()}
+        grads = {n: g.clone() for n, g in self.replica.grads().items()}
         if self._pushing is not None:
             self._pushing.result()  # surface a failed push; normally long done
         self._pushing = self._pusher.submit(self.client.push, grads, step)
@@ -81,7 +77,7 @@ class PseudosyncWorker(WorkerScheme):
         cosine = dot / (norm_h * norm_g) if norm_h > 0 and norm_g > 0 else 0.0
         return min(1.0, max(self.alpha_min, (self.alpha + (1.0 - cosine)) / 2))
 
-    def finish(self) -> None:
+    def finish(self, steps_done: int) -> None:
         """Apply the last step's global gradient; rank 0 publishes the replica for export."""
         if self._pushing is not None:
             self._pushing.result()
@@ -89,5 +85,5 @@ class PseudosyncWorker(WorkerScheme):
             self._apply_global(self._fetching.result())
         self._pusher.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
-        if self.trainer.assignment.rank == 0:
+        if self.replica.assignment.rank == 0:
             self.client.register(self.params, overwrite=True)

@@ -13,6 +13,6 @@ class SspWorker(WorkerScheme):
         self.client.pull(self.params)
 
     def after_backward(self, step: int) -> int:
-        self.client.push(self.trainer.grads(), step)
+        self.client.push(self.replica.grads(), step)
         self.client.pull(self.params, clock=step + 1)
         return step + 1

@@ -12,9 +12,9 @@ class SyncWorker(WorkerScheme):
         self.client.pull(self.params, min_version=0)
 
     def after_backward(self, step: int) -> int:
-        self.client.push(self.trainer.grads(), step)
+        self.client.push(self.replica.grads(), step)
         self.client.pull(self.params, min_version=step + 1)
         return step + 1
 
-    def finish(self) -> None:
+    def finish(self, steps_done: int) -> None:
         """The replica already holds the final global weights after the last pull."""

@@ -4,27 +4,22 @@ global synchronous average. The group round is wait-avoiding: see ps_server/sche
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from gpu_worker.schemes.base import WorkerScheme
+from gpu_worker.schemes.base import Replica, WorkerScheme
 from gpu_worker.schemes.group_schedule import default_group_size, group_of
 from gradps.optimizer import ScheduledOptimizer
 
-if TYPE_CHECKING:
-    from gpu_worker.trainer import Trainer
-
 
 class WagmaWorker(WorkerScheme):
-    def __init__(self, trainer: Trainer) -> None:
-        super().__init__(trainer)
-        a = trainer.assignment
-        sp = trainer.spec.scheme_params
+    def __init__(self, replica: Replica) -> None:
+        super().__init__(replica)
+        a = replica.assignment
+        sp = replica.spec.scheme_params
         self.world, self.rank, self.ids = a.world, a.rank, a.workers
         self.group_size = sp.group_size or default_group_size(self.world)
         self.tau = sp.tau or 10
-        self.optimizer = ScheduledOptimizer(list(self.params.values()), trainer.spec.optimizer, trainer.total_steps)
+        self.optimizer = ScheduledOptimizer(list(self.params.values()), replica.spec.optimizer, replica.total_steps)
 
     def start(self) -> None:
         self.client.pull(self.params)
@@ -61,8 +56,8 @@ class WagmaWorker(WorkerScheme):
         for name, p in self.params.items():
             p.copy_(average[name])
 
-    def finish(self) -> None:
+    def finish(self, steps_done: int) -> None:
         """The final model is the global average; rank 0 publishes it to the shards for export."""
-        self._take_global(self.trainer.total_steps)
+        self._take_global(self.replica.total_steps)
         if self.rank == 0:
             self.client.register(self.params, overwrite=True)

@@ -90,7 +90,7 @@ class StreamIn(Inbound):
         if into is not None and len(into) == meta.streamed:
             self._receiver.receive_into(into)
             return None
-        buffer = memoryview(np.empty(meta.streamed, dtype=np.uint8))
+        buffer = np.empty(meta.streamed, dtype=np.uint8).data
         self._receiver.receive_into(buffer)
         return buffer
 
@@ -98,7 +98,7 @@ class StreamIn(Inbound):
 def as_buffer(payload: object) -> Buffer:
     """A payload's bytes: float32 values (codec none) viewed in place, on the CPU."""
     if isinstance(payload, torch.Tensor):
-        return memoryview(payload.cpu().numpy()).cast("B")
+        return payload.cpu().numpy().data.cast("B")
     return payload  # type: ignore[return-value]
 
 

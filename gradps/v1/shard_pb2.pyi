@@ -104,19 +104,10 @@ class RegisterTensorsResponse(_message.Message):
     initialised: int
     def __init__(self, initialised: _Optional[int] = ...) -> None: ...
 
-class PartRef(_message.Message):
-    __slots__ = ("name", "index")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    index: int
-    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
-
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "parts", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step", "into", "stream")
+    __slots__ = ("run_id", "worker_id", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step", "into", "stream")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    PARTS_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -127,7 +118,6 @@ class PullRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
-    parts: _containers.RepeatedCompositeFieldContainer[PartRef]
     min_version: int
     wait_ms: int
     codec: _tensor_pb2.CodecParams
@@ -136,7 +126,7 @@ class PullRequest(_message.Message):
     gradient_step: int
     into: _tensor_pb2.SharedRegion
     stream: StreamCall
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartRef, _Mapping]]] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("part", "parts")
