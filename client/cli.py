@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
+from client.ddp_baseline import BASELINES
 from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
 from client.sdk import Client, run_spec
@@ -340,6 +341,13 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
 @click.option("--target-accuracy", default=0.95, type=FiniteFloat(0, 1))
 @spec_options
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs") / "compare")
+@click.option(
+    "--baseline",
+    default="none",
+    type=click.Choice(BASELINES),
+    help="ddp: also train the same run with torch DistributedDataParallel on this machine (--workers "
+    "processes, gloo on CPU, nccl on CUDA): one more row, and each scheme's time to target over DDP's.",
+)
 @click.option("--no-progress", is_flag=True, help="No live progress bars.")
 @one_line_errors
 def compare(
@@ -353,11 +361,12 @@ def compare(
     workers: int,
     target_accuracy: float,
     out: Path,
+    baseline: str,
     no_progress: bool,
     **o: Any,
 ) -> None:
     """Run several schemes on the same cluster, data, seed and model; table, JSON, CSV and a plot."""
-    from client.compare import print_table, run_comparison, write_outputs
+    from client.compare import add_baseline_ratios, print_table, run_baseline, run_comparison, write_outputs
 
     names = [s.strip() for s in schemes.split(",") if s.strip()]
     hint = "'--schemes'"
@@ -370,8 +379,11 @@ def compare(
     if coordinator and local:
         raise click.UsageError("give --local or --coordinator HOST:PORT, not both")
     specs = [build_spec(name, workers, **o) for name in names]
-    device = device if coordinator else resolve_option(device)  # only the embedded cluster's
+    # --device is the embedded cluster's, and the baseline's: both run on this machine.
+    device = device if coordinator and baseline == "none" else resolve_option(device)
     make_dir(out)
+    # The baseline first: it is short, and a failure shows before the schemes' long runs.
+    reference = run_baseline(specs[0], device, target_accuracy, out, not no_progress) if baseline != "none" else None
     if coordinator:
         with Client(coordinator) as client:
             shards = len(client.cluster().shards)
@@ -384,6 +396,9 @@ def compare(
     else:  # the default: an embedded cluster, the same one for every scheme
         with LocalCluster(shards, workers, heartbeat_timeout, out / "logs", device, transport) as cluster:
             rows = run_comparison(cluster.address, specs, target_accuracy, out, show_progress=not no_progress)
+    if reference is not None:
+        rows.append(reference)
+        add_baseline_ratios(rows, reference)
     write_outputs(rows, target_accuracy, out, title)
     print_table(rows, target_accuracy)
     click.echo(f"wrote {out / 'compare.json'}, {out / 'compare.csv'} and {out / 'compare.png'}", err=True)

@@ -10,6 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Column, Table
 
+from client.ddp_baseline import SCHEME as BASELINE
+from client.ddp_baseline import run_ddp
 from client.report import follow
 from client.sdk import Client
 from gradps.v1 import run_pb2
@@ -27,6 +29,8 @@ COLUMNS = (
     "bytes_pushed",
     "run_id",
 )
+# Time to target over the DDP baseline's: a column only where the baseline ran.
+RATIO = "time_vs_ddp"
 
 
 def to_target(curve: list[dict[str, Any]], target: float) -> tuple[float | None, int | None]:
@@ -37,6 +41,17 @@ def to_target(curve: list[dict[str, Any]], target: float) -> tuple[float | None,
     return None, None
 
 
+def row_of(summary: dict[str, Any], target: float) -> dict[str, Any]:
+    """A run's row of the comparison, from its summary (`follow`'s, or the DDP baseline's)."""
+    seconds, steps = to_target(summary["accuracy_curve"], target)
+    row = {"scheme": summary["scheme"], "time_to_target_s": seconds, "steps_to_target": steps}
+    row.update({k: summary[k] for k in COLUMNS if k in summary and k not in row})
+    row["state"] = summary["state"]
+    row["samples_per_second_by_rank"] = summary["samples_per_second_by_rank"]
+    row["accuracy_curve"] = summary["accuracy_curve"]
+    return row
+
+
 def run_comparison(
     address: str, specs: list[run_pb2.RunSpec], target: float, out_dir: Path, show_progress: bool = True
 ) -> list[dict[str, Any]]:
@@ -45,15 +60,25 @@ def run_comparison(
     with Client(address) as client:
         for spec in specs:
             run_id = client.submit(spec)
-            summary = follow(client, run_id, out_dir / spec.scheme, show_progress=show_progress)
-            seconds, steps = to_target(summary["accuracy_curve"], target)
-            row = {"scheme": spec.scheme, "time_to_target_s": seconds, "steps_to_target": steps}
-            row.update({k: summary[k] for k in COLUMNS if k in summary and k not in row})
-            row["state"] = summary["state"]
-            row["samples_per_second_by_rank"] = summary["samples_per_second_by_rank"]
-            row["accuracy_curve"] = summary["accuracy_curve"]
-            rows.append(row)
+            rows.append(row_of(follow(client, run_id, out_dir / spec.scheme, show_progress=show_progress), target))
     return rows
+
+
+def run_baseline(
+    spec: run_pb2.RunSpec, device: str, target: float, out_dir: Path, show_progress: bool = True
+) -> dict[str, Any]:
+    """The torch DDP baseline of `spec` on this machine (client.ddp_baseline); its row."""
+    summary = run_ddp(spec, device, out_dir / BASELINE, out_dir / "logs", show_progress=show_progress)
+    return row_of(summary, target)
+
+
+def add_baseline_ratios(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
+    """`time_vs_ddp` in every row: its time to target over the baseline's (None if either never
+    reached it). Below 1: faster than DDP."""
+    reference = baseline["time_to_target_s"]
+    for row in rows:
+        seconds = row["time_to_target_s"]
+        row[RATIO] = round(seconds / reference, 3) if seconds is not None and reference else None
 
 
 def write_outputs(rows: list[dict[str, Any]], target: float, out_dir: Path, title: str) -> None:
@@ -63,7 +88,10 @@ def write_outputs(rows: list[dict[str, Any]], target: float, out_dir: Path, titl
         json.dumps({"target_accuracy": target, "title": title, "schemes": rows}, indent=2) + "\n"
     )
     with open(out_dir / "compare.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        fieldnames = list(COLUMNS)
+        if any(RATIO in row for row in rows):
+            fieldnames.insert(fieldnames.index("time_to_target_s") + 1, RATIO)
+        writer = csv.DictWriter(f, fieldnames=fieldnames, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     import matplotlib
@@ -74,8 +102,11 @@ def write_outputs(rows: list[dict[str, Any]], target: float, out_dir: Path, titl
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for row in rows:
         curve = row["accuracy_curve"]
-        by_time.plot([p["elapsed_s"] for p in curve], [p["test_accuracy"] for p in curve], label=row["scheme"])
-        by_step.plot([p["step"] for p in curve], [p["test_accuracy"] for p in curve], label=row["scheme"])
+        # The baseline stands out: black and dashed.
+        style = {"color": "black", "linestyle": "--"} if row["scheme"] == BASELINE else {}
+        accuracy = [p["test_accuracy"] for p in curve]
+        by_time.plot([p["elapsed_s"] for p in curve], accuracy, label=row["scheme"], **style)
+        by_step.plot([p["step"] for p in curve], accuracy, label=row["scheme"], **style)
     for ax, xlabel in ((by_time, "wall time (s)"), (by_step, "step")):
         ax.axhline(target, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel(xlabel)
@@ -89,12 +120,17 @@ def write_outputs(rows: list[dict[str, Any]], target: float, out_dir: Path, titl
 
 
 def print_table(rows: list[dict[str, Any]], target: float, console: Console | None = None) -> None:
+    """The comparison as a table; with a "vs ddp" column (time to target over DDP's) where the
+    baseline ran."""
+
     def number(header: str) -> Column:
         return Column(header, justify="right", no_wrap=True)
 
+    ratios = any(RATIO in r for r in rows)
     table = Table(
         Column("scheme", no_wrap=True),
         number(f"to {target:.0%}\n(s)"),
+        *([number("vs\nddp")] if ratios else []),
         number(f"steps\nto {target:.0%}"),
         number("final\nacc"),
         number("samples/s"),
@@ -103,13 +139,19 @@ def print_table(rows: list[dict[str, Any]], target: float, console: Console | No
         title="gradps compare",
     )
     for r in rows:
-        table.add_row(
+        cells = [
             r["scheme"],
-            f"{r['time_to_target_s']:.2f}" if r["time_to_target_s"] is not None else "never",
-            str(r["steps_to_target"]) if r["steps_to_target"] is not None else "-",
-            f"{r['final_test_accuracy']:.4f}" if r.get("final_test_accuracy") is not None else r["state"],
+            _cell(r["time_to_target_s"], "{:.2f}", "never"),
+            *([_cell(r.get(RATIO), "{:.2f}x")] if ratios else []),
+            _cell(r["steps_to_target"], "{}"),
+            _cell(r.get("final_test_accuracy"), "{:.4f}", r["state"]),
             f"{r['samples_per_second']:,.0f}",
             f"{r['mean_staleness']:.2f} / {r['max_staleness']}",
-            f"{r['wait_fraction']:.0%}",
-        )
+            _cell(r.get("wait_fraction"), "{:.0%}"),
+        ]
+        table.add_row(*cells)
     (console or Console()).print(table)
+
+
+def _cell(value: Any, form: str, missing: str = "-") -> str:
+    return missing if value is None else form.format(value)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
-import random
 import signal
 import threading
 import time
@@ -20,42 +18,12 @@ from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
 from gradps.models import build_model
 from gradps.parameter_client import TRANSPORTS
+from gradps.run_spec import total_steps
+from gradps.slowdown import Slowdown
 from gradps.v1 import coordinator_pb2
 from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
 
 _LOGGER = logging.getLogger("gradps.worker")
-
-
-def total_steps(assignment: Assignment, train_size: int) -> int:
-    """Steps per worker: `steps`, or `epochs` passes over an equal 1/P share of the data.
-
-    Every rank derives the same number from the global size, so `sync` ranks never disagree.
-    """
-    spec = assignment.spec
-    if spec.steps:
-        return spec.steps
-    per_epoch = max(1, (train_size // assignment.world) // spec.batch_size)
-    return max(1, math.ceil(spec.epochs * per_epoch))
-
-
-class Slowdown:
-    """Emulated uneven workers: a straggler rank's steps take FACTOR times as long, and with
-    probability `jitter` any step takes twice as long (like WAGMA's uneven sample lengths)."""
-
-    def __init__(self, assignment: Assignment) -> None:
-        spec = assignment.spec
-        self.factor = (
-            spec.straggler_factor if spec.straggler_factor > 1 and spec.straggler_rank == assignment.rank else 1.0
-        )
-        self.jitter = spec.jitter
-        self._rng = random.Random(spec.seed * 1000 + assignment.rank)
-
-    def after(self, step_seconds: float) -> None:
-        extra = (self.factor - 1.0) * step_seconds
-        if self.jitter and self._rng.random() < self.jitter:
-            extra += step_seconds
-        if extra > 0:
-            time.sleep(extra)
 
 
 def train(
@@ -70,7 +38,7 @@ def train(
     dataset = load_dataset(spec.dataset, spec.dataset_size, spec.seed)
     torch.manual_seed(spec.seed)  # every replica starts from the same weights
     model = build_model(spec.model, dataset).to(device)
-    steps = total_steps(assignment, len(dataset.train_x))
+    steps = total_steps(assignment.spec, assignment.world, len(dataset.train_x))
     sampler = ShardSampler(len(dataset.train_x), assignment.rank, assignment.world, spec.batch_size, spec.seed)
     trainer = Trainer(
         model,
@@ -81,7 +49,7 @@ def train(
         report_every=max(1, min(20, steps // 50)),
         transport=transport,
     )
-    slowdown = Slowdown(assignment)
+    slowdown = Slowdown(spec, assignment.rank)
     try:
         trainer.start()
         model.train()

@@ -72,6 +72,11 @@ def validate(spec: run_pb2.RunSpec) -> None:
     _validate_codecs(spec)
     _validate_slowdowns(spec)
     validate_params(spec.scheme_params)
+    if spec.scheme_params.backup_workers >= spec.workers:  # every step needs one gradient at least
+        raise ValueError(
+            f"backup_workers (--backup-workers) must be below workers={spec.workers}, "
+            f"got {spec.scheme_params.backup_workers}"
+        )
 
 
 def _validate_sizes(spec: run_pb2.RunSpec) -> None:
@@ -105,3 +110,14 @@ def _validate_slowdowns(spec: run_pb2.RunSpec) -> None:
         raise ValueError(f"straggler_factor must be a finite number >= 0, got {spec.straggler_factor}")
     if spec.straggler_factor > 1 and spec.straggler_rank >= spec.workers:
         raise ValueError(f"straggler rank {spec.straggler_rank} is not below workers={spec.workers}")
+
+
+def total_steps(spec: run_pb2.RunSpec, world: int, train_size: int) -> int:
+    """Steps per worker: `steps`, or `epochs` passes over an equal 1/P share of the data.
+
+    Every rank derives the same number from the global size, so `sync` ranks never disagree.
+    """
+    if spec.steps:
+        return spec.steps
+    per_epoch = max(1, (train_size // world) // spec.batch_size)
+    return max(1, math.ceil(spec.epochs * per_epoch))

@@ -68,7 +68,20 @@ _DC_ADAPTIVE = Param("dc_adaptive", bool, False, "adaptive DC-ASGD lambda.")
 _DELAY = (_STALENESS_LR, _DC_LAMBDA, _DC_ADAPTIVE)
 
 _ALL = (
-    Scheme("sync", "bulk-synchronous: one averaged update per step"),
+    Scheme(
+        "sync",
+        "bulk-synchronous: one averaged update per step",
+        (
+            Param(
+                "backup_workers",
+                int,
+                0,
+                "apply a step once all but N live workers pushed it; late gradients are dropped (< workers).",
+                low=0,
+                high=UINT32,
+            ),
+        ),
+    ),
     Scheme(
         "asgd",
         "asynchronous (GPU A-SGD / Downpour): each push applied at once",

@@ -26,6 +26,7 @@ from gradps.transport import (
     unframe,
 )
 from gradps.transport.data_stream import as_buffer
+from gradps.transport.framing import PART_FIELD
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
@@ -79,7 +80,8 @@ class ShardLink:
     def register(self, header: shard_pb2.RegisterTensorsRequest, items: Iterable[Item]) -> None:
         """Upload initial values, one part a message, inline."""
         head = header.SerializeToString()
-        messages = (b"".join(wire.part_message(head, 2, meta, as_buffer(data))) for meta, data in items)
+        field = PART_FIELD["RegisterTensorsRequest"]
+        messages = (b"".join(wire.part_message(head, field, meta, as_buffer(data))) for meta, data in items)
         self._register(messages, timeout=self.timeout_s)
 
     def push(self, header: shard_pb2.PushRequest, items: Iterable[Item]) -> shard_pb2.PushResponse:

@@ -82,8 +82,15 @@ class RunState:
     ended: bool = False
 
     @classmethod
-    def open(cls, request: shard_pb2.OpenRunRequest, device: torch.device, updates_per_step: float = 1.0) -> RunState:
-        """Allocate zeroed parts for every part the placement gives this shard."""
+    def open(
+        cls,
+        request: shard_pb2.OpenRunRequest,
+        device: torch.device,
+        updates_per_step: float = 1.0,
+        optimizer: run_pb2.OptimizerSpec | None = None,
+    ) -> RunState:
+        """Allocate zeroed parts for every part the placement gives this shard; `optimizer`: what
+        the scheme applies (ShardRule.optimizer; the run's when None)."""
         parts = {}
         for p in request.placement.parts:
             if p.shard == request.shard_index:
@@ -100,7 +107,7 @@ class RunState:
             # The schedule runs over the updates each part will get (ShardRule.updates_per_step).
             optimizer=ShardOptimizer(
                 {key: part.values for key, part in parts.items()},
-                request.spec.optimizer,
+                request.spec.optimizer if optimizer is None else optimizer,
                 round(request.total_steps * updates_per_step),
             ),
             workers=frozenset(request.workers),

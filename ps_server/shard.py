@@ -101,7 +101,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def _open(self, request: shard_pb2.OpenRunRequest) -> tuple[RunState, ShardRule]:
         try:
             rule_type = RULES[request.spec.scheme]
-            run = RunState.open(request, self.device, rule_type.updates_per_step(request.spec, len(request.workers)))
+            workers = len(request.workers)
+            per_step = rule_type.updates_per_step(request.spec, workers)
+            run = RunState.open(request, self.device, per_step, rule_type.optimizer(request.spec, workers))
             return run, rule_type(run)
         except ValueError as e:  # what torch's optimizers refuse (betas, eps out of range)
             raise Invalid(f"run {request.run_id!r}: {one_line(e)}") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradps.optimizer import ShardOptimizer, learning_rate, make_optimizer
+from gradps.optimizer import ShardOptimizer, asynchrony_aware, learning_rate, make_optimizer, validate
 from gradps.v1 import run_pb2
 
 SPECS = [
@@ -72,3 +72,17 @@ def test_a_shard_without_parts_has_nothing_to_update():
     opt.apply([])
     with pytest.raises(KeyError):
         opt.apply([(("w", 0), torch.ones(1), 1.0)])
+
+
+def test_asynchrony_aware_momentum_lowers_sgd_momentum_by_what_p_workers_add():
+    spec = run_pb2.OptimizerSpec(name="sgd", lr=0.05, momentum=0.9, nesterov=True, schedule="constant")
+    assert asynchrony_aware(spec, 4).momentum == pytest.approx(0.15)
+    assert asynchrony_aware(spec, 4).nesterov and asynchrony_aware(spec, 4).lr == pytest.approx(0.05)
+    # One worker adds nothing; many leave no explicit momentum (nor Nesterov, which needs it).
+    assert asynchrony_aware(spec, 1).momentum == pytest.approx(0.9)
+    many = asynchrony_aware(spec, 20)
+    assert many.momentum == 0 and not many.nesterov
+    validate(many)
+    adam = run_pb2.OptimizerSpec(name="adam", lr=0.001, beta1=0.9)
+    assert asynchrony_aware(adam, 4) == adam
+    assert spec.momentum == pytest.approx(0.9)  # the run's own spec is not changed

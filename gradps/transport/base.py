@@ -11,14 +11,13 @@ the message: `data_stream.py`). Nothing here knows schemes or codecs.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 from google.protobuf.message import Message
 
 from gradps.errors import Invalid
 from gradps.v1 import tensor_pb2
-
-Buffer = bytes | bytearray | memoryview
+from gradps.wire import Buffer
 
 
 class Outbound:
@@ -27,7 +26,7 @@ class Outbound:
     def name_in(self, header: Message) -> None:
         """Name this route in the call's header (a field every message of the call repeats)."""
 
-    def carry(self, meta: tensor_pb2.TensorPart, payload: Buffer | object) -> bool:
+    def carry(self, meta: tensor_pb2.TensorPart, payload: object) -> bool:
         """Take `payload` out of band and describe where in `meta` (TensorPart.shared or
         .streamed); False: it travels in the message."""
         return False
@@ -62,8 +61,6 @@ class Route:
     """A worker's transport to one shard (one per shard and run), set up once. `call` claims it
     for one call; a route that is busy or broken yields the messages' own Outbound and Inbound."""
 
-    name = "grpc"
-
     @contextmanager
     def call(self, send: bool, receive: bool) -> Iterator[tuple[Outbound, Inbound]]:
         """The (outbound, inbound) of one call that sends payloads (`send`) and receives them
@@ -77,8 +74,3 @@ class Route:
 
     def close(self) -> None:
         """Release what the route holds (a segment, a socket)."""
-
-
-def inline_call() -> AbstractContextManager[tuple[Outbound, Inbound]]:
-    """A call whose payloads all travel in the messages (the fall-back of every route)."""
-    return Route().call(True, True)

@@ -106,8 +106,6 @@ class DataStreamRoute(Route):
     """A worker's data stream to one shard. A call that breaks it closes it; it is opened again
     in the background (REOPEN_S, doubling), and calls go inline meanwhile."""
 
-    name = "stream"
-
     def __init__(self, opener: Callable[[], DataStream | None], stream: DataStream, timeout_s: float) -> None:
         self._opener = opener
         self.stream: DataStream | None = stream

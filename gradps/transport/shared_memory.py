@@ -91,8 +91,6 @@ class _Area:
 class SharedMemoryRoute(Route):
     """A worker's segment shared with one shard on its host."""
 
-    name = "shm"
-
     def __init__(self, segment: Segment, length: int) -> None:
         self.segment = segment
         self._push = _Area(segment, ALIGN, length)

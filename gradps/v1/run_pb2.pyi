@@ -37,7 +37,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., step_size: _Optional[int] = ..., gamma: _Optional[float] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class SchemeParams(_message.Message):
-    __slots__ = ("n_push", "n_fetch", "staleness_lr", "dc_lambda", "dc_adaptive", "staleness", "group_size", "tau", "alpha", "alpha_min", "fixed_alpha")
+    __slots__ = ("n_push", "n_fetch", "staleness_lr", "dc_lambda", "dc_adaptive", "staleness", "group_size", "tau", "alpha", "alpha_min", "fixed_alpha", "backup_workers")
     N_PUSH_FIELD_NUMBER: _ClassVar[int]
     N_FETCH_FIELD_NUMBER: _ClassVar[int]
     STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class SchemeParams(_message.Message):
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     ALPHA_MIN_FIELD_NUMBER: _ClassVar[int]
     FIXED_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
     n_push: int
     n_fetch: int
     staleness_lr: bool
@@ -60,7 +61,8 @@ class SchemeParams(_message.Message):
     alpha: float
     alpha_min: float
     fixed_alpha: bool
-    def __init__(self, n_push: _Optional[int] = ..., n_fetch: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., dc_lambda: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., staleness: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ..., alpha: _Optional[float] = ..., alpha_min: _Optional[float] = ..., fixed_alpha: _Optional[bool] = ...) -> None: ...
+    backup_workers: int
+    def __init__(self, n_push: _Optional[int] = ..., n_fetch: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., dc_lambda: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., staleness: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ..., alpha: _Optional[float] = ..., alpha_min: _Optional[float] = ..., fixed_alpha: _Optional[bool] = ..., backup_workers: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
     __slots__ = ("model", "dataset", "scheme", "scheme_params", "optimizer", "batch_size", "steps", "epochs", "seed", "codec", "pull_codec", "eval_every", "workers", "part_size", "dataset_size", "straggler_rank", "straggler_factor", "jitter")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from gradps.optimizer import asynchrony_aware
 from gradps.placement import PartKey
 from gradps.v1 import run_pb2
 from ps_server.run_state import Part, Push, RunState
@@ -35,6 +36,11 @@ class AsgdRule(ShardRule):
         # Every worker's push is an update: a cosine schedule over one worker's steps reached 0
         # after 1/P of the run.
         return workers / max(1, spec.scheme_params.n_push)
+
+    @staticmethod
+    def optimizer(spec: run_pb2.RunSpec, workers: int) -> run_pb2.OptimizerSpec:
+        # With the run's momentum on top of the momentum that asynchrony adds, asgd diverges.
+        return asynchrony_aware(spec.optimizer, workers)
 
     def on_pull(self, worker_id: int, parts: list[Part]) -> None:
         if self.dc_lambda:

@@ -32,6 +32,11 @@ class ShardRule(ABC):
         updates, so its horizon is the run's steps times this (one mean per step by default)."""
         return 1.0
 
+    @staticmethod
+    def optimizer(spec: run_pb2.RunSpec, workers: int) -> run_pb2.OptimizerSpec:
+        """The optimizer this scheme's shards apply (the run's, by default)."""
+        return spec.optimizer
+
     @abstractmethod
     def push(self, push: Push) -> int:
         """Take a validated push; return its staleness. Raise NotNow to refuse it whole."""

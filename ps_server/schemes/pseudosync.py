@@ -21,6 +21,8 @@ class PseudosyncRule(SyncRule):
     the steps reduced, and a pull with `gradient` waits for version > gradient_step."""
 
     max_ahead = 1
+    # Every live worker's gradient is reduced: backup workers are sync's alone.
+    takes_backup_workers = False
 
     def __init__(self, run: RunState) -> None:
         super().__init__(run)

@@ -16,6 +16,9 @@ class SyncRule(ShardRule):
 
     A part's version is the number of steps completed, so the pull for step t waits for
     version >= t. A dead worker leaves the count when the coordinator sends the new membership.
+    With b backup workers (Chen et al. 2016) a step completes once all but b live workers have
+    pushed it: the mean of those; a late push of a completed step is left out. A push holds all
+    of a worker's parts on this shard, so its parts complete on the same workers' gradients.
     """
 
     # How many steps ahead of a part's version a push may be (pseudosync pushes without waiting).
@@ -23,11 +26,15 @@ class SyncRule(ShardRule):
     # push() also takes SparsePart gradients (the shard decodes with decode_summand): it only sums.
     sums_sparse_parts = True
     pulls_race_updates = False
+    # Whether the run's `backup_workers` applies (pseudosync waits for every live worker).
+    takes_backup_workers = True
 
     def __init__(self, run: RunState) -> None:
         super().__init__(run)
         # Per part and step: (sum of gradients, workers that contributed).
         self.pending: dict[PartKey, dict[int, tuple[torch.Tensor, set[int]]]] = {}
+        # Live workers a step may complete without.
+        self.backup = run.spec.scheme_params.backup_workers if self.takes_backup_workers else 0
 
     def push(self, push: Push) -> int:
         for key in push.grads:
@@ -54,14 +61,14 @@ class SyncRule(ShardRule):
         self._complete([c for key in list(self.pending) for c in self._complete_ready(key)])
 
     def _complete_ready(self, key: PartKey) -> list[tuple[Part, int, torch.Tensor]]:
-        """Complete the part's steps in order while every live worker has contributed: each as
-        (part, step, mean gradient)."""
+        """Complete the part's steps in order while all but `backup` live workers have
+        contributed: each as (part, step, mean gradient)."""
         part = self.run.parts[key]
         steps = self.pending[key]
         completed = []
         while part.version in steps:
             total, contributors = steps[part.version]
-            if not self.run.live_workers <= contributors:
+            if len(self.run.live_workers - contributors) > self.backup:
                 break
             del steps[part.version]
             completed.append((part, part.version, total.div_(len(contributors))))

@@ -1,0 +1,267 @@
+"""The torch DDP baseline of `gradps compare --baseline ddp`: the run a user already has.
+
+`--workers` ranks of torch DistributedDataParallel on loopback (gloo on CPU, nccl on CUDA) train
+what a gradps run trains: the same model, data, per-rank split (`ShardSampler`), optimizer and
+learning-rate schedule (`ScheduledOptimizer`), batch size, seed, steps, evaluation cadence and
+slowdown emulation, timed as a gradps worker times itself (from the start of training; loading
+the data and building the model excluded). The result is a summary in the shape `follow` gives
+for a gradps run, so it becomes one more row of the comparison.
+
+The parent (`run_ddp`) hosts the rendezvous store on a free port and starts each rank as a
+process (`python -m client.ddp_baseline`), as the local cluster starts every service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from google.protobuf.json_format import MessageToJson, Parse
+from rich.console import Console
+
+from client.sdk import GradpsError
+from gradps.datasets import Dataset, ShardSampler, load_dataset
+from gradps.evaluation import compute_loss, evaluate
+from gradps.models import build_model
+from gradps.optimizer import ScheduledOptimizer
+from gradps.run_spec import total_steps, with_defaults
+from gradps.slowdown import Slowdown
+from gradps.v1 import run_pb2
+
+# `gradps compare --baseline`: none, or torch DDP.
+BASELINES = ("none", "ddp")
+# The row's name in the comparison.
+SCHEME = "ddp"
+# A rank that waits this long in the rendezvous or in one collective (a peer died) gives up.
+_COLLECTIVE_TIMEOUT = timedelta(minutes=2)
+_POLL_S = 0.2
+
+
+class BaselineFailed(GradpsError):
+    """A DDP rank exited with an error; the message names it and its log."""
+
+
+def run_ddp(
+    spec: run_pb2.RunSpec, device: str, out_dir: Path, log_dir: Path, show_progress: bool = True
+) -> dict[str, Any]:
+    """Train `spec` with torch DDP on `spec.workers` local processes; its summary (as `follow`'s).
+
+    Writes spec.json, each rank's rank<R>.json and summary.json to `out_dir`, the ranks' logs to
+    `log_dir`. `device` is "cpu" or "cuda" (resolved).
+    """
+    import torch.distributed as dist
+
+    spec = with_defaults(spec)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(MessageToJson(spec, preserving_proto_field_name=True) + "\n")
+    world = spec.workers
+    # Port 0: the store takes a free port and the ranks are told which, so no port can be taken
+    # between choosing and binding it.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    what = f"ddp: {world} ranks, {backend_for(device, world)} on {device}"
+    with Console(stderr=True).status(what) if show_progress else contextlib.nullcontext():
+        procs = [_start_rank(rank, world, store.port, spec_path, device, out_dir, log_dir) for rank in range(world)]
+        try:
+            _wait(procs, log_dir)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait()
+    del store
+    ranks = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
+    summary = summarize(spec, ranks, backend_for(device, world), device)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def backend_for(device: str, world: int) -> str:
+    """nccl when every rank can have a GPU of its own (nccl refuses two ranks on one), else gloo."""
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    return "nccl" if cuda and torch.cuda.device_count() >= world else "gloo"
+
+
+def summarize(spec: run_pb2.RunSpec, ranks: list[dict[str, Any]], backend: str, device: str) -> dict[str, Any]:
+    """The numbers `client.report.summarize` gives for a gradps run, from the ranks' results."""
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    first = ranks[0]
+    rates = [r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0 for r in ranks]
+    return {
+        "run_id": None,
+        "state": "completed",
+        "scheme": SCHEME,
+        "backend": backend,
+        "device": device,
+        "model": spec.model,
+        "dataset": spec.dataset,
+        "workers": spec.workers,
+        "steps": first["steps"],
+        "total_steps": first["steps"],
+        # From the first rank entering the run (building its model, joining the group) to the last
+        # one done, as a gradps run's wall time runs from its assignment to its last worker's report.
+        "wall_seconds": round(max(r["finished_at"] for r in ranks) - min(r["entered_at"] for r in ranks), 3),
+        "samples_per_second": round(sum(rates), 1),
+        "samples_per_second_by_rank": [round(rate, 1) for rate in rates],
+        "final_test_accuracy": first["final_test_accuracy"],
+        "final_test_loss": first["final_test_loss"],
+        "final_loss": sum(r["loss"] for r in ranks) / len(ranks),
+        # DDP's all-reduce travels inside torch: no pushes to count, and every step is in step.
+        "bytes_pushed": None,
+        "mean_staleness": 0.0,
+        "max_staleness": 0,
+        "wait_fraction": None,
+        "accuracy_curve": first["accuracy_curve"],
+    }
+
+
+def _start_rank(
+    rank: int, world: int, port: int, spec_path: Path, device: str, out_dir: Path, log_dir: Path
+) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # as the local cluster's workers
+    loopback = _loopback_interface()
+    if loopback:  # gloo and nccl would otherwise pick the interface of the host name
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    args = [f"--rank={rank}", f"--world={world}", f"--port={port}", f"--spec={spec_path}", f"--device={device}"]
+    log = open(log_dir / f"ddp-rank{rank}.log", "w")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "client.ddp_baseline", *args, f"--out={out_dir}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    finally:
+        log.close()  # the child holds its own descriptor
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((name for name in names if name.startswith("lo")), None)
+
+
+def _wait(procs: list[subprocess.Popen], log_dir: Path) -> None:
+    """Until every rank has exited; the first that fails fails the baseline (the finally of the
+    caller stops the others, which would wait for it in their next collective)."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                log = log_dir / f"ddp-rank{rank}.log"
+                lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+                raise BaselineFailed(f"ddp rank {rank} exited with {code}: {lines[-1]} (log: {log})")
+        if all(code == 0 for code in codes):
+            return
+        time.sleep(_POLL_S)
+
+
+def rank_device(device: str, rank: int, backend: str) -> torch.device:
+    """Rank r's GPU under nccl; with gloo every rank computes on `device` itself."""
+    if backend == "nccl":
+        return torch.device("cuda", rank)
+    return torch.device(device)
+
+
+def train_rank(spec: run_pb2.RunSpec, rank: int, world: int, port: int, device: str) -> dict[str, Any]:
+    """One rank's whole run: join the process group, train, leave; this rank's results."""
+    import torch.distributed as dist
+
+    # A gradps worker keeps the datasets it loaded in memory from run to run: load before the clock.
+    dataset = load_dataset(spec.dataset, spec.dataset_size, spec.seed)
+    entered_at = time.time()
+    backend = backend_for(device, world)
+    where = rank_device(device, rank, backend)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=_COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
+    try:
+        result = _train(spec, dataset, rank, world, where)
+    finally:
+        dist.destroy_process_group()
+    result.update(rank=rank, entered_at=entered_at, finished_at=time.time())
+    return result
+
+
+def _train(spec: run_pb2.RunSpec, dataset: Dataset, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """The loop of gpu_worker.service.train with DDP's all-reduce in place of the scheme."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(spec.seed)  # every rank starts from the same weights, as every gradps replica
+    model = build_model(spec.model, dataset).to(device)
+    steps = total_steps(spec, world, len(dataset.train_x))
+    sampler = ShardSampler(len(dataset.train_x), rank, world, spec.batch_size, spec.seed)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = ScheduledOptimizer(list(ddp.parameters()), spec.optimizer, steps)
+    slowdown = Slowdown(spec, rank)
+    evaluates = rank == 0 and spec.eval_every > 0
+    curve: list[dict[str, Any]] = []
+    samples, loss_sum = 0, 0.0
+    model.train()
+    dist.barrier()  # the clock starts when every rank is ready, as the schemes' start after start-up
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        began = time.perf_counter()
+        idx = sampler.next_batch()
+        x, y = dataset.train_x[idx].to(device), dataset.train_y[idx].to(device)
+        loss = compute_loss(ddp, x, y, dataset.task)
+        loss.backward()  # DDP averages the gradients over the ranks here
+        optimizer.step()
+        optimizer.opt.zero_grad(set_to_none=True)
+        samples += len(idx)
+        loss_sum += loss.item()  # a gradps worker reads its loss every step too
+        if evaluates and step % spec.eval_every == 0 and step < steps:
+            curve.append(_point(model, dataset, step, time.perf_counter() - started))
+        slowdown.after(time.perf_counter() - began)
+    elapsed = time.perf_counter() - started
+    result: dict[str, Any] = {"steps": steps, "samples": samples, "elapsed_s": elapsed, "loss": loss_sum / steps}
+    if rank == 0:  # the final evaluation, as a gradps run's rank 0 makes at its end
+        test_loss, test_accuracy = evaluate(model, dataset)
+        curve.append({"elapsed_s": elapsed, "step": steps, "test_accuracy": test_accuracy})
+        result.update(final_test_accuracy=test_accuracy, final_test_loss=test_loss)
+    result["accuracy_curve"] = curve
+    return result
+
+
+def _point(model: torch.nn.Module, dataset: Dataset, step: int, elapsed_s: float) -> dict[str, Any]:
+    """One point of the accuracy curve, timed before the evaluation as a gradps worker times it.
+    It evaluates the model itself, not its DDP wrapper, whose forward would wait for the others."""
+    _, test_accuracy = evaluate(model, dataset)
+    return {"elapsed_s": elapsed_s, "step": step, "test_accuracy": test_accuracy}
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--rank", required=True, type=click.IntRange(min=0))
+@click.option("--world", required=True, type=click.IntRange(min=1))
+@click.option("--port", required=True, type=click.IntRange(1, 65535), help="The parent's rendezvous store.")
+@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--device", required=True, help="cpu or cuda (resolved by the parent).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
+def main(rank: int, world: int, port: int, spec_path: Path, device: str, out: Path) -> None:
+    """One rank of the DDP baseline (started by `run_ddp`): writes OUT/rank<RANK>.json."""
+    torch.set_num_threads(1)  # as a gradps worker (gradps-worker --threads 1)
+    spec = Parse(spec_path.read_text(), run_pb2.RunSpec())
+    result = train_rank(spec, rank, world, port, device)
+    written = out / f"rank{rank}.json"
+    temp = written.with_suffix(".tmp")
+    temp.write_text(json.dumps(result) + "\n")
+    temp.replace(written)
+
+
+if __name__ == "__main__":
+    main()
