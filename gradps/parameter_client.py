@@ -164,23 +164,43 @@ class ParameterClient:
 
     def push(self, grads: dict[str, torch.Tensor], step: int) -> int:
         """Push one gradient (compressed with the run's codec); returns the max staleness."""
+        header = shard_pb2.PushRequest(run_id=self.run_id, worker_id=self.worker_id, step=step)
+        return self._push(grads, lambda link, items: (link.push(header, items), 0))
+
+    def push_pull(
+        self, grads: dict[str, torch.Tensor], step: int, into: dict[str, torch.Tensor], min_version: int = 0
+    ) -> int:
+        """Push one gradient, then copy the global values into `into` once every part has at
+        least `min_version` (sync: the step this push completes), in one call per shard; returns
+        the max staleness."""
+        pull = shard_pb2.PullRequest(min_version=min_version, codec=self.pull_codec, wait_ms=int(self.timeout_s * 1000))
+        header = shard_pb2.PushPullRequest(run_id=self.run_id, worker_id=self.worker_id, step=step, pull=pull)
+        flat = {name: t.data.view(-1) for name, t in into.items()}
+        self._pin_segments(flat.values())
+        take = self._taker(flat, record_versions=True)
+        return self._push(grads, lambda link, items: link.push_pull(header, items, take))
+
+    def _push(
+        self, grads: dict[str, torch.Tensor], call: Callable[[ShardLink, _Replay], tuple[shard_pb2.PushResponse, int]]
+    ) -> int:
+        """`call(link, encoded parts)` for every shard in parallel: (its push response, bytes pulled)."""
         # On the gradients' device: a lossless part goes from there into shared memory in one copy.
         flat = {name: g.detach().reshape(-1).float() for name, g in grads.items()}
         self._pin_segments(flat.values())
         start = time.perf_counter()
-        header = shard_pb2.PushRequest(run_id=self.run_id, worker_id=self.worker_id, step=step)
 
-        def send(link: ShardLink) -> tuple[int, int]:
+        def send(link: ShardLink) -> tuple[int, int, int]:
             # Encoded while earlier parts are on the wire (gRPC consumes the messages from its own
             # thread), and kept: a retry frames them again without encoding again, which would
             # apply the error feedback twice.
             encoded = _Replay(self._encoded(link.index, flat))
-            response = link.push(header, encoded)
-            return response.staleness, encoded.bytes
+            response, pulled = call(link, encoded)
+            return response.staleness, encoded.bytes, pulled
 
         results = self._each_shard(send, pool=self._push_pool)
-        staleness = max((s for s, _ in results), default=0)
-        self.traffic.bytes_pushed += sum(n for _, n in results)
+        staleness = max((s for s, _, _ in results), default=0)
+        self.traffic.bytes_pushed += sum(n for _, n, _ in results)
+        self.traffic.bytes_pulled += sum(n for _, _, n in results)
         self.traffic.pushes += 1
         self.traffic.staleness_sum += staleness
         self.traffic.staleness_max = max(self.traffic.staleness_max, staleness)

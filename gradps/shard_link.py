@@ -60,6 +60,7 @@ class ShardLink:
             _SERVICE + "RegisterTensors", raw, shard_pb2.RegisterTensorsResponse.FromString
         )
         self._pull = ch.unary_stream(_SERVICE + "Pull", shard_pb2.PullRequest.SerializeToString, raw)
+        self._push_pull = ch.stream_stream(_SERVICE + "PushPull", raw, raw)
         self._average = ch.stream_stream(_SERVICE + "GroupAverage", raw, raw)
         self.route = Route()
 
@@ -106,6 +107,25 @@ class ShardLink:
             return received
 
         return self._attempts(call, send=False, receive=True)
+
+    def push_pull(
+        self, header: shard_pb2.PushPullRequest, items: Iterable[Item], take: Take
+    ) -> tuple[shard_pb2.PushResponse, int]:
+        """Push `items`, then take the pull `header.pull` in the same call: the push's response
+        and the pulled payload bytes. Made again as a push is."""
+
+        def call(out: Outbound, inbound: Inbound) -> tuple[shard_pb2.PushResponse, int]:
+            named = shard_pb2.PushPullRequest()
+            named.CopyFrom(header)
+            inbound.name_in(named.pull)
+            response, received = shard_pb2.PushResponse(), 0
+            for message in self._push_pull(_until_broken(frame(named, items, out)), timeout=self.timeout_s + 5):
+                head, parts = unframe(message, shard_pb2.PushPullResponse)
+                response = head.push
+                received += sum(take(meta, inbound, data) for meta, data in parts)
+            return response, received
+
+        return self._attempts(call, send=True, receive=True, retry=_RETRYABLE)
 
     def exchange(self, header: shard_pb2.GroupAverageRequest, items: Iterable[Item], take: Take) -> int:
         """A group round: deposit `items`, hand each part of the average to `take`. A deposit

@@ -14,11 +14,12 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 
 import click
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from gradps import wire
 from gradps.channel import (
@@ -33,16 +34,16 @@ from gradps.channel import (
     serve_until_signal,
     write_port_file,
 )
-from gradps.codecs import CodecError, decode_part, decode_summand, encode_part, format_codec, get_pull_codec, is_plain
-from gradps.codecs.base import require_finite
+from gradps.codecs import CodecError, decode_part, decode_summand, get_pull_codec, is_plain
 from gradps.data_stream import DataStream, StreamListener
 from gradps.device import device_option
-from gradps.errors import AlreadyExists, Ended, Invalid, NotFound, NotNow, OutOfRange, TimedOut, TooLarge, one_line
+from gradps.errors import AlreadyExists, Ended, Invalid, NotFound, NotNow, TimedOut, TooLarge, one_line
 from gradps.shared_memory import Segment, SegmentError, check_name
-from gradps.transport import INLINE_IN, Item, frame, unframe
+from gradps.transport import INLINE_IN, Outbound, frame, unframe
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.call_routes import MAX_CLAIM_S, sending
-from ps_server.received import Call, Decode, decode_received, receive
+from ps_server.pulled import codec_name, fixed_payload, part_meta, pulled_parts
+from ps_server.received import Call, Decode, Received, decode_received, receive
 from ps_server.run_checks import check_open_run, check_part, check_step, check_workers, opened_by
 from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes import RULES, ShardRule
@@ -55,9 +56,6 @@ _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 _MAX_SEGMENTS_PER_WORKER = 4
 # Likewise data streams.
 _MAX_STREAMS_PER_WORKER = 4
-# A pulled part's payload: float32 values (codec none, copied where they are placed), or a
-# codec's bytes and lz4 flag.
-_Payload = torch.Tensor | tuple[bytes, bool]
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
@@ -70,6 +68,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._runs: dict[str, tuple[RunState, ShardRule]] = {}
         self._lock = threading.Lock()
         self._push = Call(shard_pb2.PushRequest, "push", "pushed", _push_header, self._pushed_run, _push_decode)
+        self._push_pull = Call(
+            shard_pb2.PushPullRequest, "push", "pushed", _push_header, self._pushed_run, _push_decode
+        )
         self._deposit = Call(shard_pb2.GroupAverageRequest, "deposit", "deposited", _round_of, self._round_run)
 
     def _run(self, run_id: str) -> tuple[RunState, ShardRule]:
@@ -161,7 +162,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             ((meta, data),) = parts
             part = check_part(run, meta)
             if not is_plain(meta.codec):
-                codec = _codec_name(meta.codec)
+                codec = codec_name(meta.codec)
                 raise Invalid(f"part {meta.name}/{meta.index}: initial values travel with codec none, not {codec}")
             values, _ = decode_received(meta, data, INLINE_IN, decode_part, self.device)
             # Validated either way; kept only where it may still be needed (every later worker
@@ -176,41 +177,24 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def Pull(self, request: shard_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         run, rule = self._run(request.run_id)
-        try:
-            get_pull_codec(request.codec)
-        except CodecError as e:
-            raise Invalid(str(e)) from None
-        parts = list(run.parts.values())
-        wait_s = min(request.wait_ms / 1000, MAX_CLAIM_S) if request.wait_ms else _DEFAULT_WAIT_S
-        # Checked before any wait; a data stream is held only once the parts are ready.
-        route = sending(run, request.worker_id, request, context, snapshot=rule.pulls_race_updates)
-        waiting = f"parts not ready (version {request.min_version}, clock {request.clock})"
-        with run.cond:
-            if not call_wait(run, context, waiting)(lambda: rule.pull_ready(parts, request), wait_s):
-                raise TimedOut(f"{waiting} after {wait_s:.1f}s")
-            # What is not the live weights (a reduced gradient, ...) is copied now, under the lock
-            # that found it ready; the live weights part by part as they are sent (frame's guard),
-            # each at the version its answer reports: no pull holds a copy of every part.
-            chosen = [(p, _fixed(p, rule.pull_values(p, request), request.codec)) for p in parts]
-            rule.on_pull(request.worker_id, parts)
-        items = _pulled(run, chosen, request.codec, request.HasField("into"), context)
-        with route as out:
-            yield from frame(shard_pb2.PullResponse(), items, out, guard=run.cond)
+        route = _pull_route(run, rule, request, context)
+        yield from _answer(run, rule, request, route, shard_pb2.PullResponse(), context)
 
     def Push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> shard_pb2.PushResponse:
         with ExitStack() as claims:
             got = receive(self._push, request_iterator, claims, context)
+        return _apply(got)
+
+    def PushPull(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        with ExitStack() as claims:
+            got = receive(self._push_pull, request_iterator, claims, context)
         run, rule = got.found
-        worker_id, step = got.header.worker_id, got.header.step
-        with run.cond:
-            if run.ended:
-                raise Ended(f"run {run.run_id!r} ended: no more pushes")
-            _check_live(run, worker_id)
-            if step <= run.last_step.get(worker_id, -1):  # a retry of an applied push
-                return shard_pb2.PushResponse(parts=len(got.values), applied=False)
-            staleness = rule.push(Push(worker_id, step, got.values, got.versions))
-            run.record_push(worker_id, step, got.nbytes)
-        return shard_pb2.PushResponse(parts=len(got.values), staleness=staleness, applied=True)
+        pull = shard_pb2.PullRequest()
+        pull.CopyFrom(got.header.pull)
+        pull.run_id, pull.worker_id = run.run_id, got.header.worker_id
+        route = _pull_route(run, rule, pull, context)  # checked before the push changes anything
+        header = shard_pb2.PushPullResponse(push=_apply(got))
+        yield from _answer(run, rule, pull, route, header, context)
 
     def GroupAverage(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         # The deposit is read whole (from the stream too, holding its receive direction) before
@@ -238,7 +222,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
             run.cond.notify_all()
         # A round's result is fixed: its parts need no lock.
-        items = [(_meta(run.parts[key], _NONE, frontier), avg) for key, avg in averages.items()]
+        items = [(part_meta(run.parts[key], _NONE, frontier), avg) for key, avg in averages.items()]
         with route as out:
             yield from frame(shard_pb2.GroupAverageResponse(), items, out)
 
@@ -313,6 +297,58 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return found
 
 
+def _pull_route(
+    run: RunState, rule: ShardRule, request: shard_pb2.PullRequest, context: grpc.ServicerContext
+) -> AbstractContextManager[Outbound]:
+    """Where a pull's answer goes, checked before any wait (a data stream is held only once
+    the parts are ready), with its codec."""
+    try:
+        get_pull_codec(request.codec)
+    except CodecError as e:
+        raise Invalid(str(e)) from None
+    return sending(run, request.worker_id, request, context, snapshot=rule.pulls_race_updates)
+
+
+def _answer(
+    run: RunState,
+    rule: ShardRule,
+    request: shard_pb2.PullRequest,
+    route: AbstractContextManager[Outbound],
+    header: Message,
+    context: grpc.ServicerContext,
+) -> Iterator[bytes]:
+    """A pull's answer, once the rule says its parts are ready: messages repeating `header`."""
+    parts = list(run.parts.values())
+    wait_s = min(request.wait_ms / 1000, MAX_CLAIM_S) if request.wait_ms else _DEFAULT_WAIT_S
+    waiting = f"parts not ready (version {request.min_version}, clock {request.clock})"
+    with run.cond:
+        if not call_wait(run, context, waiting)(lambda: rule.pull_ready(parts, request), wait_s):
+            raise TimedOut(f"{waiting} after {wait_s:.1f}s")
+        # What is not the live weights (a reduced gradient, ...) is copied now, under the lock
+        # that found it ready; the live weights part by part as they are sent (frame's guard),
+        # each at the version its answer reports: no pull holds a copy of every part.
+        chosen = [(p, fixed_payload(p, rule.pull_values(p, request), request.codec)) for p in parts]
+        rule.on_pull(request.worker_id, parts)
+    items = pulled_parts(run, chosen, request.codec, request.HasField("into"), context)
+    with route as out:
+        yield from frame(header, items, out, guard=run.cond)
+
+
+def _apply(got: Received) -> shard_pb2.PushResponse:
+    """Apply a push read whole, once per (worker, step)."""
+    run, rule = got.found
+    worker_id, step = got.header.worker_id, got.header.step
+    with run.cond:
+        if run.ended:
+            raise Ended(f"run {run.run_id!r} ended: no more pushes")
+        _check_live(run, worker_id)
+        if step <= run.last_step.get(worker_id, -1):  # a retry of an applied push
+            return shard_pb2.PushResponse(parts=len(got.values), applied=False)
+        staleness = rule.push(Push(worker_id, step, got.values, got.versions))
+        run.record_push(worker_id, step, got.nbytes)
+    return shard_pb2.PushResponse(parts=len(got.values), staleness=staleness, applied=True)
+
+
 def _push_header(request: shard_pb2.PushRequest) -> tuple:
     """The fields every message of one push repeats: run, worker, step and data stream."""
     return request.run_id, request.worker_id, request.step, request.stream.SerializeToString()
@@ -333,75 +369,6 @@ def _check_live(run: RunState, worker_id: int) -> None:
         raise NotNow(f"worker {worker_id} is not a live member of the run")
 
 
-def _meta(part: Part, codec: tensor_pb2.CodecParams, version: int) -> tensor_pb2.TensorPart:
-    """The metadata of one of `part`'s float32 payloads sent back to a worker."""
-    meta = tensor_pb2.TensorPart(
-        name=part.key[0], index=part.key[1], offset=part.offset, count=part.count, dtype=tensor_pb2.DTYPE_FLOAT32
-    )
-    meta.codec.CopyFrom(codec)
-    meta.version = version
-    return meta
-
-
-def _fixed(part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams) -> _Payload | None:
-    """A pull's payload of `values` copied now, unless they are the live weights (None): those
-    are copied as they are sent."""
-    if values.data_ptr() == part.values.data_ptr():
-        return None
-    payload = _payload(part, values, codec)
-    return payload.clone() if isinstance(payload, torch.Tensor) else payload
-
-
-def _pulled(
-    run: RunState,
-    chosen: list[tuple[Part, _Payload | None]],
-    codec: tensor_pb2.CodecParams,
-    shared: bool,
-    context: grpc.ServicerContext,
-) -> Iterator[Item]:
-    """The answer's parts, each made (under frame's guard: the run's lock) as it is sent."""
-    for part, fixed in chosen:
-        if shared and not context.is_active():
-            return  # cancelled: the worker may have reused its area for its next pull
-        payload = _payload(part, part.values, codec) if fixed is None else fixed
-        meta = _meta(part, codec, part.version)
-        if isinstance(payload, torch.Tensor):
-            run.bytes_pulled += 4 * part.count
-            yield meta, payload
-        else:
-            data, meta.lz4 = payload
-            run.bytes_pulled += len(data)
-            yield meta, data
-
-
-def _payload(part: Part, values: torch.Tensor, codec: tensor_pb2.CodecParams) -> _Payload:
-    """`values` as a pull sends them: the values themselves for `none` (copied once, where they
-    are placed), else the codec's payload and lz4 flag. FAILED_PRECONDITION when they are not
-    finite (the run diverged: no codec can send them), OUT_OF_RANGE when they do not fit the codec."""
-    try:
-        if is_plain(codec):
-            require_finite(values, "none: values to encode")  # what the none codec checks
-            return values
-        return encode_part(values.cpu(), codec, lz4_threshold=None)
-    except CodecError:
-        name = f"{part.key[0]}/{part.key[1]}"
-        what = "weights" if values.data_ptr() == part.values.data_ptr() else "values"
-        if not bool(torch.isfinite(values).all()):
-            raise NotNow(f"part {name}: its {what} are not finite (NaN or Inf): the run diverged") from None
-        peak = float(values.abs().max())
-        raise OutOfRange(
-            f"part {name}: its {what} (|value| up to {peak:g}) do not fit {_codec_name(codec)}; pull with codec none"
-        ) from None
-
-
-def _codec_name(params: tensor_pb2.CodecParams) -> str:
-    """The CLI name of `params` ("fp16", "topk:0.01"), or the enum number when it is not valid."""
-    try:
-        return format_codec(params)
-    except CodecError:
-        return f"codec {params.codec}"
-
-
 def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
     """Serve `servicer` with the bulk calls' messages as raw bytes: protobuf would copy each
     payload twice more (parse and field read; field write and serialize), a fifth of the shard's
@@ -410,8 +377,8 @@ def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
         shard_pb2_grpc.add_ShardServiceServicer_to_server,
         servicer,
         server,
-        raw_requests={"Push", "RegisterTensors", "GroupAverage"},
-        raw_responses={"Pull", "GroupAverage"},
+        raw_requests={"Push", "PushPull", "RegisterTensors", "GroupAverage"},
+        raw_responses={"Pull", "PushPull", "GroupAverage"},
     )
 
 

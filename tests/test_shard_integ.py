@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -359,5 +360,39 @@ def test_asgd_schedule_spans_every_workers_updates(shards_only):
         clients[1].push(ones, 99)  # the 100th update: half way through 200
         clients[0].pull(pulled)
         assert before - pulled["w"][0].item() == pytest.approx(0.5 * (1 + math.cos(math.pi * 99 / 200)), rel=1e-5)
+    finally:
+        leave(sessions, clients)
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream", "grpc"])
+def test_push_pull_applies_the_step_and_returns_its_weights_in_one_call(shards_only, transport):
+    # Two sync workers push_pull step 0 at once: each call answers once the step completes, with
+    # w - lr * mean(g); a retry of the same push is not applied again and answers the same weights.
+    torch.manual_seed(11)
+    tensors = {"w": torch.randn(3 << 18), "b": torch.randn(50)}  # large (streamed) and small parts
+    lr = 0.5
+    spec = run_pb2.RunSpec(
+        scheme="sync", workers=2, steps=100, part_size=1 << 20, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=lr)
+    )
+    run_id, sessions, clients, placement = join_run(
+        shards_only.address, spec, tensors, n_workers=2, transport=transport
+    )
+    try:
+        for client in clients:
+            client.register(tensors)
+        grads = [{n: torch.randn_like(t) for n, t in tensors.items()} for _ in clients]
+        outs = [{n: torch.zeros_like(t) for n, t in tensors.items()} for _ in clients]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda i: clients[i].push_pull(grads[i], 0, outs[i], min_version=1), range(2)))
+        expected = {n: t - lr * (grads[0][n] + grads[1][n]) / 2 for n, t in tensors.items()}
+        for out in outs:
+            for name in tensors:
+                torch.testing.assert_close(out[name], expected[name], rtol=0, atol=1e-6, msg=name)
+        assert set(clients[0].versions.values()) == {1}  # the pulled weights' versions, for the next push
+        again = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        clients[0].push_pull(grads[0], 0, again, min_version=1)  # a retry: applied once only
+        for name in tensors:
+            torch.testing.assert_close(again[name], expected[name], rtol=0, atol=1e-6, msg=name)
+        assert clients[0].traffic.bytes_pulled == 2 * 4 * sum(t.numel() for t in tensors.values())
     finally:
         leave(sessions, clients)

@@ -12,8 +12,8 @@ class SyncWorker(WorkerScheme):
         self.client.pull(self.params, min_version=0)
 
     def after_backward(self, step: int) -> int:
-        self.client.push(self.replica.grads(), step)
-        self.client.pull(self.params, min_version=step + 1)
+        # One round trip per shard: the push, then the weights of step t+1 once the step completes.
+        self.client.push_pull(self.replica.grads(), step, self.params, min_version=step + 1)
         return step + 1
 
     def finish(self, steps_done: int) -> None:

@@ -157,7 +157,7 @@ class DataStreamRoute(Route):
                     yield INLINE_OUT, INLINE_IN  # busy or closed
                     return
                 out = StreamOut(sender) if sender is not None else INLINE_OUT
-                inbound = StreamIn(receiver, name=sender is None) if receiver is not None else INLINE_IN
+                inbound = StreamIn(receiver) if receiver is not None else INLINE_IN
                 yield out, inbound
         finally:
             if stream.closed:

@@ -28,6 +28,8 @@ Item = tuple[tensor_pb2.TensorPart, object]
 # The field that holds a message's one large `part` (gradps/v1/shard.proto).
 PART_FIELD = {
     "PushRequest": 4,
+    "PushPullRequest": 4,
+    "PushPullResponse": 2,
     "PullResponse": 1,
     "RegisterTensorsRequest": 2,
     "GroupAverageRequest": 6,

@@ -152,6 +152,34 @@ class PushRequest(_message.Message):
     stream: StreamCall
     def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
 
+class PushPullRequest(_message.Message):
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "pull")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    worker_id: int
+    step: int
+    part: _tensor_pb2.TensorPart
+    parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
+    stream: StreamCall
+    pull: PullRequest
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
+
+class PushPullResponse(_message.Message):
+    __slots__ = ("push", "part", "parts")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    push: PushResponse
+    part: _tensor_pb2.TensorPart
+    parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
+    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
+
 class PushResponse(_message.Message):
     __slots__ = ("parts", "staleness", "applied")
     PARTS_FIELD_NUMBER: _ClassVar[int]

@@ -70,6 +70,11 @@ class ShardServiceStub:
                 request_serializer=gradps_dot_v1_dot_shard__pb2.PushRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_shard__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PushPull = channel.stream_stream(
+                '/gradps.v1.ShardService/PushPull',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.PushPullRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.PushPullResponse.FromString,
+                _registered_method=True)
         self.MapSegment = channel.unary_unary(
                 '/gradps.v1.ShardService/MapSegment',
                 request_serializer=gradps_dot_v1_dot_shard__pb2.MapSegmentRequest.SerializeToString,
@@ -149,6 +154,16 @@ class ShardServiceServicer:
     def Push(self, request_iterator, context):
         """Worker -> shard: one push = one gradient for some parts, validated whole before any of it
         is applied (a bad part rejects the whole push and changes nothing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPull(self, request_iterator, context):
+        """Worker -> shard: a push and, in the same call, the pull it leads to (one round trip per
+        step, like BytePS's push_pull). The requests are a push's, each with the same `pull`; once
+        the push is applied (or found applied before), the shard answers that pull as Pull would
+        (under sync: when the step completes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,6 +249,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=gradps_dot_v1_dot_shard__pb2.PushRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_shard__pb2.PushResponse.SerializeToString,
+            ),
+            'PushPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.PushPullRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.PushPullResponse.SerializeToString,
             ),
             'MapSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.MapSegment,
@@ -446,6 +466,33 @@ class ShardService:
             '/gradps.v1.ShardService/Push',
             gradps_dot_v1_dot_shard__pb2.PushRequest.SerializeToString,
             gradps_dot_v1_dot_shard__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gradps.v1.ShardService/PushPull',
+            gradps_dot_v1_dot_shard__pb2.PushPullRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.PushPullResponse.FromString,
             options,
             channel_credentials,
             insecure,
