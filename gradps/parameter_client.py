@@ -168,12 +168,18 @@ class ParameterClient:
         return self._push(grads, lambda link, items: (link.push(header, items), 0))
 
     def push_pull(
-        self, grads: dict[str, torch.Tensor], step: int, into: dict[str, torch.Tensor], min_version: int = 0
+        self,
+        grads: dict[str, torch.Tensor],
+        step: int,
+        into: dict[str, torch.Tensor],
+        min_version: int = 0,
+        clock: int = 0,
     ) -> int:
-        """Push one gradient, then copy the global values into `into` once every part has at
-        least `min_version` (sync: the step this push completes), in one call per shard; returns
-        the max staleness."""
-        pull = shard_pb2.PullRequest(min_version=min_version, codec=self.pull_codec, wait_ms=int(self.timeout_s * 1000))
+        """Push one gradient, then copy the global values into `into` once the pull may be
+        answered (as `pull` waits: `min_version` for sync, the step this push completes; `clock`
+        for ssp), in one call per shard; returns the max staleness."""
+        wait_ms = int(self.timeout_s * 1000)
+        pull = shard_pb2.PullRequest(min_version=min_version, clock=clock, codec=self.pull_codec, wait_ms=wait_ms)
         header = shard_pb2.PushPullRequest(run_id=self.run_id, worker_id=self.worker_id, step=step, pull=pull)
         flat = {name: t.data.view(-1) for name, t in into.items()}
         self._pin_segments(flat.values())

@@ -54,9 +54,11 @@ class AsgdWorker(WorkerScheme):
 
     def _exchange(self, step: int, push: bool, fetch: bool) -> bool:
         """In the background: push the sending gradient, then fetch the weights; True if fetched."""
-        if push:
+        if push and fetch:
+            self.client.push_pull(self.sending, step, self.fetched)  # one call per shard
+        elif push:
             self.client.push(self.sending, step)
-        if fetch:
+        elif fetch:
             self.client.pull(self.fetched)
         return fetch
 

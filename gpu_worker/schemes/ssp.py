@@ -13,6 +13,5 @@ class SspWorker(WorkerScheme):
         self.client.pull(self.params)
 
     def after_backward(self, step: int) -> int:
-        self.client.push(self.replica.grads(), step)
-        self.client.pull(self.params, clock=step + 1)
+        self.client.push_pull(self.replica.grads(), step, self.params, clock=step + 1)  # one call per shard
         return step + 1
