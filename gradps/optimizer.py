@@ -166,6 +166,12 @@ def _waves(updates: list[tuple[PartKey, torch.Tensor, float]]) -> list[dict[Part
     return waves
 
 
+def averages_gradients(spec: run_pb2.OptimizerSpec) -> bool:
+    """Whether the optimizer keeps a moving average of the gradients: SGD with momentum, Adam and
+    AdamW (their first moment)."""
+    return (spec.name or "sgd") != "sgd" or spec.momentum > 0
+
+
 def asynchrony_aware(spec: run_pb2.OptimizerSpec, workers: int) -> run_pb2.OptimizerSpec:
     """The optimizer a shard applies to P asynchronous workers' pushes: P workers pushing in turn
     add an implicit momentum of about 1 - 1/P (Mitliagkas et al. 2016, "Asynchrony begets

@@ -93,8 +93,13 @@ def place(tensors: list[tensor_pb2.TensorSpec], shards: list[str], part_size: in
     """The placement table: every part goes to the least-loaded shard, largest parts first (LPT).
 
     Greedy longest-processing-time keeps the heaviest shard within one part of the mean, which
-    is what bounds a step's transfer time when all shards are driven in parallel. ValueError
-    (see `check_tensors`) for tensors that cannot be placed.
+    is what bounds a step's transfer time when all shards are driven in parallel. A run uses only
+    as many shards as the model would have parts if it were one flat tensor, ceil(bytes /
+    part_size): every shard a worker exchanges with costs it a call per step (about a millisecond
+    of CPU at each end), more than a small model's share of the transfer saves (a 69 KB MLP on
+    4 workers reached 95% in 1.24x DDP's time on one shard, 2.3x on two). The table still lists
+    every shard; one without parts takes no calls. Lower part_size to spread a small model.
+    ValueError (see `check_tensors`) for tensors that cannot be placed.
     """
     if not shards:
         raise ValueError("no shards registered")
@@ -103,7 +108,9 @@ def place(tensors: list[tensor_pb2.TensorSpec], shards: list[str], part_size: in
     for spec in tensors:
         for index, (offset, count) in enumerate(cut_parts(spec, part_size)):
             parts.append((count * ITEMSIZE[spec.dtype], spec.name, index, offset, count))
-    load = [(0, s) for s in range(len(shards))]
+    total = sum(p[0] for p in parts)
+    used = max(1, min(len(shards), -(-total // part_size)))
+    load = [(0, s) for s in range(used)]
     heapq.heapify(load)
     placed = []
     # Sort by size, then by name for a deterministic table.

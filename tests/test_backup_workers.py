@@ -28,11 +28,13 @@ def _spec(backup: int, workers: int = 3) -> run_pb2.RunSpec:
         steps=100,
         optimizer=run_pb2.OptimizerSpec(name="sgd", lr=_LR),
         scheme_params=default_params(backup_workers=backup),
+        # Small parts, so that this small model is spread over every shard.
+        part_size=1024,
     )
 
 
 def _tensors() -> dict[str, torch.Tensor]:
-    # Several tensors, so that the parts of a step lie on all three shards.
+    # Several tensors in small parts, so that the parts of a step lie on all three shards.
     torch.manual_seed(0)
     return {"w": torch.randn(64, 32), "v": torch.randn(100), "b": torch.randn(17)}
 

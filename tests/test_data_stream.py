@@ -566,9 +566,10 @@ def test_a_stream_carries_one_push_at_a_time(shards_only):
 
 def test_a_pull_on_a_stream_sends_large_payloads_after_their_messages(shards_only):
     torch.manual_seed(5)
-    # One part of 800 KB (streamed, and as fp16 too) and one of 4 KB (inline), on two shards.
+    # One part of 800 KB (streamed, and as fp16 too) and one of 4 KB (inline), on two shards: the
+    # part size is w's, so that the model's bytes are worth two shards.
     tensors = {"w": torch.randn(200_000), "b": torch.randn(1000)}
-    spec = _spec(workers=2, part_size=1 << 20)
+    spec = _spec(workers=2, part_size=4 * 200_000)
     with _Run(shards_only.address, spec, tensors, n_workers=2) as run:
         mine, theirs = run.workers
         shard_of = {p.name: p.shard for p in run.placement.parts}

@@ -49,6 +49,27 @@ def test_pseudosync_with_fixed_alpha_one_is_the_plain_one_step_delay(cluster, cl
     assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.85, summary
 
 
+@pytest.mark.parametrize(
+    "optimizer",
+    [run_pb2.OptimizerSpec(name="sgd", lr=0.05, momentum=0.9), run_pb2.OptimizerSpec(name="adam", lr=0.001)],
+    ids=["momentum", "adam"],
+)
+def test_pseudosync_passes_the_global_gradient_through_to_an_optimizer_that_averages_it(
+    cluster, client, tmp_path, optimizer
+):
+    # The optimizer's own moving average replaces the predictor's: adaptive a becomes a = 1, so
+    # the run is bit for bit the plain one-step delay.
+    digests = []
+    for params in ({}, {"alpha": 1.0, "fixed_alpha": True}):
+        spec = _spec("pseudosync", epochs=1, params=params)
+        spec.optimizer.CopyFrom(optimizer)
+        run_id = client.submit(spec)
+        summary = follow(client, run_id, tmp_path / str(len(digests)), show_progress=False)
+        assert summary["state"] == "completed", summary
+        digests.append({m.weights_digest for m in client.run(run_id).run.latest if m.done})
+    assert len(digests[0]) == 1 and digests[0] == digests[1]
+
+
 def test_wagma_trains_and_its_final_model_is_the_global_average(cluster, client, tmp_path):
     run_id = client.submit(_spec("wagma", epochs=20, params={"tau": 4}))
     summary = follow(client, run_id, tmp_path, show_progress=False)

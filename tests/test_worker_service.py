@@ -93,7 +93,8 @@ def test_each_worker_moves_payloads_the_way_it_was_told(tmp_path: Path):
             for name in transports
         ]
         try:
-            spec = run_pb2.RunSpec(scheme="sync", workers=3, steps=5, eval_every=0)
+            # Small parts, so that the small model is spread over both shards.
+            spec = run_pb2.RunSpec(scheme="sync", workers=3, steps=5, eval_every=0, part_size=4096)
             with Client(cluster.address) as client:
                 client.wait_for_cluster(shards=2, workers=3)
                 run_id = client.submit(spec)
