@@ -76,13 +76,18 @@ def test_a_shard_without_parts_has_nothing_to_update():
 
 def test_asynchrony_aware_momentum_lowers_sgd_momentum_by_what_p_workers_add():
     spec = run_pb2.OptimizerSpec(name="sgd", lr=0.05, momentum=0.9, nesterov=True, schedule="constant")
-    assert asynchrony_aware(spec, 4).momentum == pytest.approx(0.15)
-    assert asynchrony_aware(spec, 4).nesterov and asynchrony_aware(spec, 4).lr == pytest.approx(0.05)
+    four = asynchrony_aware(spec, 4)
+    assert four.momentum == pytest.approx(0.15) and four.nesterov
+    # A push's effective step lr / (1 - mu) is 1/P of the run's: 0.5 / 4.
+    assert four.lr / (1 - four.momentum) == pytest.approx(0.05 / (1 - 0.9) / 4)
     # One worker adds nothing; many leave no explicit momentum (nor Nesterov, which needs it).
-    assert asynchrony_aware(spec, 1).momentum == pytest.approx(0.9)
+    one = asynchrony_aware(spec, 1)
+    assert (one.momentum, one.lr) == (pytest.approx(0.9), pytest.approx(0.05))
     many = asynchrony_aware(spec, 20)
-    assert many.momentum == 0 and not many.nesterov
+    assert many.momentum == 0 and not many.nesterov and many.lr == pytest.approx(0.5 / 20)
     validate(many)
+    plain = run_pb2.OptimizerSpec(name="sgd", lr=0.2)
+    assert asynchrony_aware(plain, 4) == plain
     adam = run_pb2.OptimizerSpec(name="adam", lr=0.001, beta1=0.9)
     assert asynchrony_aware(adam, 4) == adam
     assert spec.momentum == pytest.approx(0.9)  # the run's own spec is not changed
