@@ -1,4 +1,4 @@
-"""The `gradps` command line: train, up, status, runs, stop, export, compare and bench."""
+"""The `gradps` command line: train, up, status, runs, stop, delete, export, compare and bench."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 from rich.table import Column, Table
+from rich.text import Text
 
 from client.ddp_baseline import BASELINES
 from client.local_cluster import LocalCluster
@@ -270,15 +271,24 @@ def status(coordinator: str) -> None:
     with Client(coordinator) as client:
         cluster = client.cluster()
         runs = client.runs()
-    console = Console()
-    console.print(f"coordinator {coordinator}: {len(cluster.shards)} shards, {len(cluster.workers)} workers")
-    for i, address in enumerate(cluster.shards):
-        console.print(f"  shard {i}  {address}")
+    # Names and reasons come from the cluster: printed as they are, never as rich markup.
+    console = Console(highlight=False)
+    live = sum(w.alive for w in cluster.workers)
+    console.print(
+        f"coordinator {coordinator}: {_count(len(cluster.shards), 'live shard')}, {_count(live, 'live worker')}",
+        markup=False,
+    )
+    for s in cluster.shard_infos:
+        state = "alive" if s.alive else "dead"
+        console.print(f"  shard {s.shard_index}  {s.address}  {s.device}  {state}", markup=False)
     for w in cluster.workers:
         state = "alive" if w.alive else "dead"
-        console.print(f"  worker {w.worker_id}  {w.name}  {w.device}  {state}  {w.run_id or 'idle'}")
+        console.print(f"  worker {w.worker_id}  {w.name}  {w.device}  {state}  {w.run_id or 'idle'}", markup=False)
     active = [r for r in runs if r.state in (cpb.RUN_STATE_PENDING, cpb.RUN_STATE_RUNNING)]
     console.print(f"{len(runs)} runs, {len(active)} active")
+    for r in runs:
+        if r.state == cpb.RUN_STATE_PENDING:
+            console.print(f"  run {r.run_id}  pending: {r.pending_reason or 'waiting'}", markup=False)
 
 
 @cli.command(context_settings=_CONTEXT)
@@ -301,7 +311,8 @@ def runs(coordinator: str) -> None:
             str(r.spec.workers),
             str(max((m.step for m in r.latest), default=0)),
             f"{accuracies[-1]:.4f}" if accuracies else "-",
-            r.message,
+            # A pending run says what it waits for; an ended one why it failed or stopped.
+            Text(r.pending_reason if r.state == cpb.RUN_STATE_PENDING else r.message),
         )
     Console().print(table)
 
@@ -315,6 +326,17 @@ def stop(run_id: str, coordinator: str) -> None:
     with Client(coordinator) as client:
         client.stop(run_id)
     click.echo(f"stopped {run_id}")
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("run_id")
+@_coordinator_option
+@one_line_errors
+def delete(run_id: str, coordinator: str) -> None:
+    """Delete an ended run: its status, metrics and the parameters its shards keep (stop it first)."""
+    with Client(coordinator) as client:
+        client.delete(run_id)
+    click.echo(f"deleted {run_id}")
 
 
 @cli.command(context_settings=_CONTEXT)

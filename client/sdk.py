@@ -1,4 +1,4 @@
-"""A small Python SDK over the coordinator's API: submit, watch, stop and export runs."""
+"""A small Python SDK over the coordinator's API: submit, watch, stop, delete and export runs."""
 
 from __future__ import annotations
 
@@ -112,8 +112,13 @@ class Client:
         """Stop a run."""
         self._call("StopRun", cpb.StopRunRequest(run_id=run_id))
 
+    def delete(self, run_id: str) -> None:
+        """Delete an ended run (its status, metrics and the parameters its shards keep); a
+        pending or running run is refused (FAILED_PRECONDITION): stop it first."""
+        self._call("DeleteRun", cpb.DeleteRunRequest(run_id=run_id))
+
     def cluster(self) -> cpb.GetClusterResponse:
-        """The shards and workers that joined."""
+        """The live shards and workers (and those declared dead lately)."""
         return self._call("GetCluster", cpb.GetClusterRequest())
 
     def watch(self, run_id: str) -> Iterator[cpb.WatchRunResponse]:

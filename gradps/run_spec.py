@@ -11,9 +11,9 @@ from gradps.optimizer import validate as validate_optimizer
 from gradps.schemes import DEFAULT_SCHEME, default_params, fill_unset, get_scheme, validate_params
 from gradps.v1 import run_pb2, tensor_pb2
 
-# Workers of one run. Runs start first come, first served (gang scheduling), so a run that asks
-# for more workers than can ever join holds up every later run until it is stopped; this bound
-# only refuses the absurd (membership lists of every shard and worker grow with it).
+# Workers of one run. A run that asks for more workers than the cluster has live waits without
+# holding up later runs (ps_server/coordinator.py); this bound only refuses the absurd
+# (membership lists of every shard and worker grow with it).
 MAX_WORKERS = 4096
 # Steps per worker (about 10^12): far beyond any run, and within every uint64 step counter.
 MAX_STEPS = 2**40

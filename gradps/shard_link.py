@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from gradps import wire
 from gradps.channel import open_channel
@@ -31,10 +32,13 @@ from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
 _SERVICE = "/gradps.v1.ShardService/"
-# Codes after which a push is made again: it is idempotent per (worker, step).
+# Codes after which a call is made again: the shard applies a push, a deposit or an upload of
+# initial values only whole (each call announces its parts), and a push once per (worker, step),
+# so one whose outcome is unknown may be made again.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _ATTEMPTS = 3
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 # Takes one received part: (metadata, the call's inbound route, bytes that came with it); returns
 # the payload bytes it took.
 Take = Callable[[tensor_pb2.TensorPart, Inbound, Buffer], int]
@@ -79,15 +83,26 @@ class ShardLink:
         self.route = route or Route()
 
     def register(self, header: shard_pb2.RegisterTensorsRequest, items: Iterable[Item]) -> None:
-        """Upload initial values, one part a message, inline."""
-        head = header.SerializeToString()
+        """Upload initial values, one part a message, inline; made again as a push is (the shard
+        sets them only whole)."""
+        items = list(items)
+        if not items:
+            return
+        head = _announcing(header, len(items)).SerializeToString()
         field = PART_FIELD["RegisterTensorsRequest"]
-        messages = (b"".join(wire.part_message(head, field, meta, as_buffer(data))) for meta, data in items)
-        self._register(messages, timeout=self.timeout_s)
+
+        def call(_: Outbound, __: Inbound) -> None:
+            messages = (b"".join(wire.part_message(head, field, meta, as_buffer(data))) for meta, data in items)
+            self._register(messages, timeout=self.timeout_s)
+
+        self._attempts(call, send=False, receive=False, retry=_RETRYABLE)
 
     def push(self, header: shard_pb2.PushRequest, items: Iterable[Item]) -> shard_pb2.PushResponse:
-        """Push `items`; made again (the items framed again, not encoded again) after a broken
-        route, or an UNAVAILABLE or DEADLINE_EXCEEDED answer."""
+        """Push `items` (`header.part_count` of them; unset: every part this shard holds, as the
+        parameter client sends); made again (the items framed again, not encoded again) after a
+        broken route, or an UNAVAILABLE or DEADLINE_EXCEEDED answer. `items` must give the same
+        parts on every pass: the shard applies the push once, whole, whichever call brought it."""
+        header = _announcing(header, header.part_count or len(self._part_counts))
 
         def call(out: Outbound, _: Inbound) -> shard_pb2.PushResponse:
             return self._push(_until_broken(frame(header, items, out)), timeout=self.timeout_s)
@@ -113,10 +128,11 @@ class ShardLink:
     ) -> tuple[shard_pb2.PushResponse, int]:
         """Push `items`, then take the pull `header.pull` in the same call: the push's response
         and the pulled payload bytes. Made again as a push is."""
+        announced = _announcing(header, header.part_count or len(self._part_counts))
 
         def call(out: Outbound, inbound: Inbound) -> tuple[shard_pb2.PushResponse, int]:
             named = shard_pb2.PushPullRequest()
-            named.CopyFrom(header)
+            named.CopyFrom(announced)
             inbound.name_in(named.pull)
             response, received = shard_pb2.PushResponse(), 0
             for message in self._push_pull(_until_broken(frame(named, items, out)), timeout=self.timeout_s + 5):
@@ -129,11 +145,14 @@ class ShardLink:
 
     def exchange(self, header: shard_pb2.GroupAverageRequest, items: Iterable[Item], take: Take) -> int:
         """A group round: deposit `items`, hand each part of the average to `take`. A deposit
-        sent again replaces the first; a fixed round answers again the same."""
+        sent again replaces the first and a fixed round answers again the same, so it is made
+        again as a push is."""
+        items = list(items)  # framed again by a retry
+        announced = _announcing(header, len(items))
 
         def call(out: Outbound, inbound: Inbound) -> int:
             named = shard_pb2.GroupAverageRequest()
-            named.CopyFrom(header)
+            named.CopyFrom(announced)
             inbound.name_in(named)  # frame copies it again for the outbound to name itself
             received = 0
             for message in self._average(_until_broken(frame(named, items, out)), timeout=self.timeout_s):
@@ -141,12 +160,14 @@ class ShardLink:
                 received += sum(take(meta, inbound, data) for meta, data in parts)
             return received
 
-        return self._attempts(call, send=True, receive=True)
+        return self._attempts(call, send=True, receive=True, retry=_RETRYABLE)
 
     def _attempts(
         self, call: Callable[[Outbound, Inbound], T], send: bool, receive: bool, retry: Iterable[grpc.StatusCode] = ()
     ) -> T:
-        """`call` through the route, made again inline when the route broke under it."""
+        """`call` through the route, made again inline when the route broke under it, and after
+        the `retry` codes: a call whose outcome the worker cannot see (the shard applies what a
+        call carries whole or not at all, and a push once, so making it again is safe)."""
         for attempt in range(1, _ATTEMPTS + 1):
             try:
                 with self.route.call(send, receive) as (out, inbound):
@@ -164,6 +185,15 @@ class ShardLink:
     def close(self) -> None:
         self.route.close()
         self.channel.close()
+
+
+def _announcing(header: M, count: int) -> M:
+    """A copy of `header` that announces the call's `count` parts (`part_count`): the shard
+    applies nothing of a call until it has them all."""
+    announced = type(header)()
+    announced.CopyFrom(header)
+    announced.part_count = count  # type: ignore[attr-defined]
+    return announced
 
 
 def _until_broken(messages: Iterator[bytes]) -> Iterator[bytes]:

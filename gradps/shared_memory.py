@@ -1,17 +1,22 @@
 """Shared-memory segments: the payloads of pushes and pulls between a worker and a shard that run
 on one host.
 
-A worker creates a segment (a file in /dev/shm), the shard maps it (ShardService.MapSegment) and
-the worker then unlinks the file: the memory lives while either process maps it, so a killed
-worker leaks nothing. A payload then crosses with one memcpy instead of gRPC's copies and the
-kernel's two through a loopback socket (docs/performance.md). gRPC still carries every call and
-its metadata; only the payload bytes move. Where the shard cannot open the file (another host,
-another container), MapSegment fails and the worker sends payloads inline, as before.
+A worker creates a segment as a memfd (anonymous shared memory: no file name, so a killed worker
+leaks nothing), sealed so that its size can never change (F_SEAL_SHRINK, F_SEAL_GROW) and only
+its user can open it (0600). The shard opens it through the worker's descriptor,
+/proc/<pid>/fd/<n>, during ShardService.MapSegment, and maps it only if it is sealed against
+shrinking: no process, the worker included, can then cut pages from under the shard's mapping (a
+touch of a page past the end of a file kills the process with SIGBUS). A payload then crosses
+with one memcpy instead of gRPC's copies and the kernel's two through a loopback socket
+(docs/performance.md). gRPC still carries every call and its metadata; only the payload bytes
+move. Where the shard cannot open the descriptor (another host, another PID namespace, another
+user), MapSegment fails and the worker sends payloads inline, as before.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hmac
 import mmap
 import os
@@ -20,57 +25,35 @@ import secrets
 import stat
 import threading
 import weakref
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from gradps.v1 import tensor_pb2
 
-SHM_DIR = Path("/dev/shm")
 NAME = re.compile(r"gradps-[A-Za-z0-9_-]{1,100}")
 TOKEN_BYTES = 16
 # Regions start after the token, at a cache-line boundary; every region offset is a multiple of it.
 ALIGN = 64
+# Only the segment's user may open it; the shard refuses one that others could.
+MODE = 0o600
 
 
 class SegmentError(Exception):
     """A segment that cannot be created, opened or addressed as asked."""
 
 
-def _pid_namespace() -> int:
-    """This process's PID namespace (0 where /proc does not say): containers sharing /dev/shm
-    number their processes apart, so a creator's pid means something only within its namespace."""
+def pid_namespace() -> int:
+    """This process's PID namespace (0 where /proc does not say): a pid names a process only
+    within its namespace, so a shard opens a worker's descriptor only when they share one."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
 
 
-def name_prefix(pid: int | None = None) -> str:
-    """Names of the segments that process `pid` (this one by default) creates start with this."""
-    return f"gradps-{_pid_namespace()}-{os.getpid() if pid is None else pid}-"
-
-
-def remove_orphans() -> None:
-    """Unlink the segments of creators in this PID namespace that died between creating one and
-    its shard mapping it (the only window in which a segment has a name). Mappings of a removed
-    name stay valid."""
-    namespace = f"gradps-{_pid_namespace()}-"
-    for path in SHM_DIR.glob(f"{namespace}*-*"):
-        pid = path.name[len(namespace) :].split("-")[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, someone else's
-
-
 def check_name(name: str) -> None:
-    """SegmentError unless `name` is a segment's name: no path, nothing but gradps' own files."""
+    """SegmentError unless `name` is a segment's name."""
     if not NAME.fullmatch(name):
         raise SegmentError(f"bad segment name {name!r}: expected 'gradps-' and 1-100 of [A-Za-z0-9_-]")
 
@@ -80,18 +63,61 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _creator_seals() -> int:
+    # The size is fixed for good, and the set is final: no write seal added later can make a
+    # shard's mapping fail.
+    return fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _open_sealed(name: str, pid: int, fd: int) -> int:
+    """Open descriptor `fd` of process `pid`: a regular file of this user, 0600, sealed against
+    shrinking, in ordinary pages (in hugetlbfs, pages a creator punches out can fault with SIGBUS
+    when the pool is empty). Returns this process's own descriptor of it."""
+    path = f"/proc/{pid}/fd/{fd}"
+    where = f"segment {name} (descriptor {fd} of process {pid})"
+    try:
+        before = os.stat(path)
+    except OSError as e:
+        reasons = {errno.ENOENT: "no such process or descriptor", errno.EACCES: "another user's process"}
+        raise SegmentError(f"cannot open {where}: {reasons.get(e.errno or 0, e.strerror)}") from None
+    # Checked before opening: opening a device or a FIFO can have effects of its own.
+    if not stat.S_ISREG(before.st_mode):
+        raise SegmentError(f"{where} is not a regular file")
+    try:
+        file = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as e:
+        raise SegmentError(f"cannot open {where}: {e.strerror}") from None
+    try:
+        status = os.fstat(file)
+        if (status.st_dev, status.st_ino) != (before.st_dev, before.st_ino):
+            raise SegmentError(f"{where} changed while it was opened")
+        if status.st_uid != os.geteuid() or stat.S_IMODE(status.st_mode) & ~MODE:
+            raise SegmentError(f"{where} is not {MODE:o} and this user's (mode {stat.S_IMODE(status.st_mode):o})")
+        if status.st_blksize != mmap.PAGESIZE:
+            raise SegmentError(f"{where} is not in ordinary {mmap.PAGESIZE}-byte pages")
+        try:
+            seals = fcntl.fcntl(file, fcntl.F_GET_SEALS)
+        except OSError:
+            raise SegmentError(f"{where} is not a memfd") from None
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise SegmentError(f"{where} is not sealed against shrinking (F_SEAL_SHRINK)")
+    except SegmentError:
+        os.close(file)
+        raise
+    return file
+
+
 class Segment:
     """A mapped segment; `region` and `floats` give views of its bytes (no copy)."""
 
     def __init__(self, name: str, memory: mmap.mmap, token: bytes, fd: int | None = None) -> None:
-        """`fd`: the file of a segment another process created (`open`), kept to check its size."""
+        """`fd`: the creator's descriptor of its segment, open until `release`."""
         self.name = name
         self.size = len(memory)
         self.token = token
         self._memory = memory
         self._fd = fd
-        if fd is not None:
-            weakref.finalize(self, os.close, fd)
+        self._close = weakref.finalize(self, os.close, fd) if fd is not None else None
         self._bytes = np.frombuffer(memory, dtype=np.uint8)
         # None until pin() is asked; then whether CUDA page-locked the segment.
         self.pinned: bool | None = None
@@ -99,57 +125,63 @@ class Segment:
 
     @classmethod
     def create(cls, size: int) -> Segment:
-        """A new segment with room for `size` bytes of regions after its token, its pages
+        """A new sealed segment with room for `size` bytes of regions after its token, its pages
         allocated now (a first touch in the middle of a push would cost a page fault per 4 KiB)."""
-        remove_orphans()
-        name = f"{name_prefix()}{secrets.token_hex(8)}"
+        name = f"gradps-{secrets.token_hex(8)}"
         total = ALIGN + aligned(size)
+        if not hasattr(os, "memfd_create"):
+            raise SegmentError("no memfd on this system")
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as e:
-            raise SegmentError(f"cannot create {SHM_DIR / name}: {e.strerror}") from None
+            raise SegmentError(f"cannot create a sealed memfd: {e.strerror}") from None
         try:
+            os.fchmod(fd, MODE)  # a memfd starts 0777
             os.posix_fallocate(fd, 0, total)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _creator_seals())
             memory = mmap.mmap(fd, total)
         except OSError as e:
-            os.unlink(SHM_DIR / name)
-            raise SegmentError(f"cannot allocate {total} bytes in {SHM_DIR}: {e.strerror}") from None
-        finally:
             os.close(fd)
+            raise SegmentError(f"cannot allocate {total} bytes of sealed shared memory: {e.strerror}") from None
         token = secrets.token_bytes(TOKEN_BYTES)
         memory[:TOKEN_BYTES] = token
-        return cls(name, memory, token)
+        return cls(name, memory, token, fd)
 
     @classmethod
-    def open(cls, name: str, token: bytes) -> Segment:
-        """Map the segment another process created, checking that its first bytes are `token`."""
+    def open(cls, name: str, token: bytes, pid: int, fd: int, namespace: int) -> Segment:
+        """Map the segment that process `pid` of PID namespace `namespace` created and holds as
+        descriptor `fd`, checking that it is sealed against shrinking and starts with `token`."""
         check_name(name)
+        if namespace != pid_namespace():
+            raise SegmentError(f"cannot open segment {name}: its creator runs in another PID namespace")
+        file = _open_sealed(name, pid, fd)
         try:
-            # Not through a link: a worker must not make this process write a file elsewhere.
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            reasons = {errno.ENOENT: "not on this host", errno.ELOOP: "a symbolic link"}
-            reason = reasons.get(e.errno or 0, e.strerror)
-            raise SegmentError(f"cannot open segment {name}: {reason}") from None
-        try:
-            status = os.fstat(fd)
-            size = status.st_size
-            if not stat.S_ISREG(status.st_mode):
-                raise SegmentError(f"segment {name} is not a regular file")
+            # Read after the seals were checked: from then on the file can only stay this long.
+            size = os.fstat(file).st_size
             if size < ALIGN:
                 raise SegmentError(f"segment {name} is {size} bytes, too small")
             try:
-                memory = mmap.mmap(fd, size)
-            except OSError as e:  # more than the address space or memory limits allow
+                memory = mmap.mmap(file, size)
+            except OSError as e:  # past the address space or memory limits, or sealed against writes
                 raise SegmentError(f"cannot map segment {name} ({size} bytes): {e.strerror}") from None
-        except SegmentError:
-            os.close(fd)
-            raise
+        finally:
+            os.close(file)  # the mapping keeps the memory
         if not hmac.compare_digest(memory[:TOKEN_BYTES], token):
             memory.close()
-            os.close(fd)
             raise SegmentError(f"segment {name}: token does not match")
-        return cls(name, memory, token, fd)
+        return cls(name, memory, token)
+
+    def descriptor(self) -> int:
+        """The creator's descriptor of the segment, through which the shard opens it."""
+        if self._fd is None or not (self._close and self._close.alive):
+            raise SegmentError(f"segment {self.name} has no descriptor here")
+        return self._fd
+
+    def release(self) -> None:
+        """Close the creator's descriptor once the shard has mapped the segment (or could not):
+        the mappings stay valid until both processes drop them."""
+        if self._close is not None:
+            self._close()
 
     def pin(self) -> bool:
         """Page-lock the segment for CUDA (cudaHostRegister), once: copies between it and a GPU
@@ -169,25 +201,14 @@ class Segment:
                         self.pinned = True
             return self.pinned
 
-    def unlink(self) -> None:
-        """Remove the file; the mappings stay valid until both processes drop them."""
-        try:
-            os.unlink(SHM_DIR / self.name)
-        except FileNotFoundError:
-            pass
-
     def check(self, offset: int, length: int) -> None:
-        """SegmentError unless [offset, offset + length) is an aligned range after the token, and,
-        for a segment another process created, still within its file: pages the creator cut off
-        (ftruncate) would kill this process with SIGBUS when touched. (A creator that cuts the
-        file between this check and the copy still can: the copy itself is not guarded.)"""
+        """SegmentError unless [offset, offset + length) is an aligned range after the token. (The
+        segment's seals keep every such range backed by the file for as long as it is mapped.)"""
         if offset < ALIGN or offset % ALIGN or length < 0 or offset + length > self.size:
             raise SegmentError(
                 f"region [{offset}, {offset + length}) of segment {self.name} is not an aligned range "
                 f"within [{ALIGN}, {self.size})"
             )
-        if self._fd is not None and (size := os.fstat(self._fd).st_size) < offset + length:
-            raise SegmentError(f"segment {self.name} was cut to {size} bytes by its creator")
 
     def region(self, offset: int, length: int) -> memoryview:
         """Bytes [offset, offset + length), checked."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import heapq
 import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,16 +29,33 @@ from gradps.channel import (
     wait_for_call,
     write_port_file,
 )
-from gradps.errors import Ended, Invalid, NotFound, NotNow, Unavailable
+from gradps.errors import Ended, Invalid, NotFound, NotNow, TooLarge, Unavailable
 from gradps.placement import place
 from gradps.run_spec import validate, with_defaults
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
+from ps_server.coordinator_limits import (
+    MAX_ACTIVE_RUNS,
+    MAX_LIVE_WORKERS,
+    MAX_SHARDS,
+    check_join,
+    check_metrics,
+    check_shard,
+    check_spec,
+    shown,
+)
 
 _LOGGER = logging.getLogger("gradps.coordinator")
 _ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
+# Ended runs the coordinator keeps (status, metrics) unless told otherwise (--keep-runs); older
+# ones are deleted, as `gradps delete` does.
+DEFAULT_KEEP_RUNS = 100
 # Shards keep the parameters of this many ended runs, so `gradps export` works after a run.
 _KEEP_ENDED_RUNS = 8
+# Workers and shards declared dead are still shown (GetCluster) for this many heartbeat
+# timeouts, and at most this many workers: then they are forgotten.
+_FORGET_AFTER_TIMEOUTS = 12
+_KEEP_DEAD_WORKERS = 256
 # ExportRun: how long a shard may take to have every part initialised.
 _EXPORT_WAIT_MS = 10_000
 # ... and the worker id its pulls carry: no worker's (DC-ASGD remembers what each worker pulled).
@@ -60,6 +79,15 @@ class WorkerRecord:
 
 
 @dataclass
+class ShardRecord:
+    index: int
+    address: str
+    device: str
+    last_seen: float
+    alive: bool = True
+
+
+@dataclass
 class RunRecord:
     status: cpb.RunStatus
     placement: shard_pb2.Placement | None = None
@@ -70,22 +98,41 @@ class RunRecord:
     events: list[cpb.WatchRunResponse] = field(default_factory=list)
     placement_lock: threading.Lock = field(default_factory=threading.Lock)
     opened_on_shards: bool = False
+    # What a pending run waits for, in one word: a watcher hears when it changes, not when the
+    # counts in `status.pending_reason` do.
+    waiting_for: str = ""
 
     @property
     def ended(self) -> bool:
         return self.status.state in _ENDED
 
+    @property
+    def run_id(self) -> str:
+        return self.status.run_id
+
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """All state sits behind one condition variable; RPCs to shards are made outside it."""
 
-    def __init__(self, heartbeat_timeout_s: float = 5.0) -> None:
+    def __init__(self, heartbeat_timeout_s: float = 5.0, keep_runs: int = DEFAULT_KEEP_RUNS) -> None:
+        """`heartbeat_timeout_s`: silence after which a worker or a shard is declared dead;
+        `keep_runs`: ended runs kept (the oldest beyond are deleted)."""
+        if keep_runs < 1:
+            raise ValueError(f"keep_runs must be at least 1, got {keep_runs}")
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.keep_runs = keep_runs
         self._cond = threading.Condition()
-        self._shards: list[tuple[str, str]] = []
+        # By address, in order of index (a shard that comes back keeps its place).
+        self._shards: dict[str, ShardRecord] = {}
+        self._next_shard_index = 0
         self._shard_stubs: dict[str, shard_pb2_grpc.ShardServiceStub] = {}
+        # Live workers; the idle ones among them; the latest declared dead (shown, then forgotten).
         self._workers: dict[int, WorkerRecord] = {}
+        self._idle: set[int] = set()
+        self._dead: OrderedDict[int, WorkerRecord] = OrderedDict()
         self._runs: dict[str, RunRecord] = {}
+        # Pending runs, oldest first: the scheduler's queue.
+        self._pending: dict[str, RunRecord] = {}
         self._next_worker_id = 0
         self._stopped = threading.Event()
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeats", daemon=True)
@@ -94,9 +141,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def close(self) -> None:
         self._stopped.set()
 
+    @property
+    def _forget_after_s(self) -> float:
+        return self.heartbeat_timeout_s * _FORGET_AFTER_TIMEOUTS
+
     # ---- client -------------------------------------------------------------------------------
 
     def SubmitRun(self, request: cpb.SubmitRunRequest, context: grpc.ServicerContext) -> cpb.SubmitRunResponse:
+        check_spec(request.spec)  # before with_defaults copies it
         spec = with_defaults(request.spec)
         try:
             validate(spec)
@@ -106,8 +158,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
         status = cpb.RunStatus(run_id=run_id, spec=spec, state=cpb.RUN_STATE_PENDING, submitted_at=time.time())
         with self._cond:
+            if len(self._pending) + self._running() >= MAX_ACTIVE_RUNS:
+                raise TooLarge(f"{MAX_ACTIVE_RUNS} runs are pending or running already; stop one first")
             record = RunRecord(status=status)
             self._runs[run_id] = record
+            self._pending[run_id] = record
             self._event(record)
             self._schedule()
         _LOGGER.info("run %s submitted: %s/%s/%s", run_id, spec.scheme, spec.model, spec.dataset)
@@ -126,10 +181,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         with self._cond:
             record = self._record(request.run_id)
             if record.ended:
-                state = cpb.RunState.Name(record.status.state).removeprefix("RUN_STATE_").lower()
-                raise Ended(f"run {request.run_id} already ended: {state}")
+                raise Ended(f"run {record.run_id} already ended: {_state_name(record)}")
             self._end(record, cpb.RUN_STATE_STOPPED, "stopped by a client")
         return cpb.StopRunResponse()
+
+    def DeleteRun(self, request: cpb.DeleteRunRequest, context: grpc.ServicerContext) -> cpb.DeleteRunResponse:
+        with self._cond:
+            record = self._record(request.run_id)
+            if not record.ended:
+                raise NotNow(
+                    f"run {record.run_id} is {_state_name(record)}: only ended runs are deleted; stop it first"
+                )
+            self._delete(record)
+        _LOGGER.info("run %s deleted", request.run_id)
+        return cpb.DeleteRunResponse()
 
     def WatchRun(self, request: cpb.WatchRunRequest, context: grpc.ServicerContext) -> Iterator[cpb.WatchRunResponse]:
         with self._cond:
@@ -151,11 +216,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def GetCluster(self, request: cpb.GetClusterRequest, context: grpc.ServicerContext) -> cpb.GetClusterResponse:
         with self._cond:
+            workers = [*self._workers.values(), *self._dead.values()]
             return cpb.GetClusterResponse(
-                shards=[address for address, _ in self._shards],
+                shards=self._live_shards(),
                 workers=[
                     cpb.WorkerInfo(worker_id=w.worker_id, name=w.name, device=w.device, alive=w.alive, run_id=w.run_id)
-                    for w in self._workers.values()
+                    for w in workers
+                ],
+                shard_infos=[
+                    cpb.ShardInfo(shard_index=s.index, address=s.address, device=s.device, alive=s.alive)
+                    for s in self._shards.values()
                 ],
             )
 
@@ -166,10 +236,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             record = self._record(request.run_id)
             placement = record.placement
         if placement is None or not placement.tensors:
-            raise NotNow(f"run {request.run_id} has no parameters yet")
+            raise NotNow(f"run {record.run_id} has no parameters yet")
         # Message by message, shard after shard (no lock held): one large part, or one batch of
         # small ones, in memory at a time.
-        pull = shard_pb2.PullRequest(run_id=request.run_id, worker_id=_EXPORTER_ID, wait_ms=_EXPORT_WAIT_MS)
+        pull = shard_pb2.PullRequest(run_id=record.run_id, worker_id=_EXPORTER_ID, wait_ms=_EXPORT_WAIT_MS)
         for index, address in enumerate(placement.shards):
             try:
                 for response in self._stub(address).Pull(pull, timeout=_EXPORT_WAIT_MS / 1000 + 30):
@@ -185,23 +255,30 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def RegisterShard(
         self, request: cpb.RegisterShardRequest, context: grpc.ServicerContext
     ) -> cpb.RegisterShardResponse:
-        why = _address_problem(request.address)
-        if why:
-            raise Invalid(f"shard address must be HOST:PORT or [IPV6]:PORT, got {request.address[:100]!r}: {why}")
+        check_shard(request.address, request.device)
         with self._cond:
-            for index, (address, _) in enumerate(self._shards):
-                if address == request.address:
-                    return cpb.RegisterShardResponse(shard_index=index)
-            self._shards.append((request.address, request.device))
-            self._schedule()
-            _LOGGER.info("shard %d registered at %s", len(self._shards) - 1, request.address)
-            return cpb.RegisterShardResponse(shard_index=len(self._shards) - 1)
+            shard, _ = self._shard_heard(request.address, request.device)
+        return cpb.RegisterShardResponse(shard_index=shard.index, heartbeat_interval_ms=self._shard_interval_ms())
+
+    def ShardHeartbeat(
+        self, request: cpb.ShardHeartbeatRequest, context: grpc.ServicerContext
+    ) -> cpb.ShardHeartbeatResponse:
+        check_shard(request.address, request.device)
+        with self._cond:
+            shard, registered = self._shard_heard(request.address, request.device)
+        return cpb.ShardHeartbeatResponse(
+            shard_index=shard.index, registered=registered, heartbeat_interval_ms=self._shard_interval_ms()
+        )
 
     def JoinWorker(self, request: cpb.JoinWorkerRequest, context: grpc.ServicerContext) -> cpb.JoinWorkerResponse:
+        check_join(request)
         with self._cond:
+            if len(self._workers) >= MAX_LIVE_WORKERS:
+                raise TooLarge(f"the coordinator holds {MAX_LIVE_WORKERS} live workers, its most; try again later")
             worker_id = self._next_worker_id
             self._next_worker_id += 1
             self._workers[worker_id] = WorkerRecord(worker_id, request.name, request.device, time.monotonic())
+            self._idle.add(worker_id)
             self._schedule()
         _LOGGER.info("worker %d joined (%s, %s)", worker_id, request.name, request.device)
         interval_ms = max(50, int(self.heartbeat_timeout_s * 1000 / 5))
@@ -210,7 +287,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
         with self._cond:
             worker = self._workers.get(request.worker_id)
-            if worker is None or not worker.alive:
+            if worker is None:  # never joined here, or declared dead
                 return cpb.HeartbeatResponse(rejoin=True, stop=bool(request.run_id))
             worker.last_seen = time.monotonic()
             record = self._runs.get(request.run_id)
@@ -222,16 +299,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> cpb.GetAssignmentResponse:
         wait_s = min(request.wait_ms / 1000, _MAX_ASSIGNMENT_WAIT_S) if request.wait_ms else _DEFAULT_ASSIGNMENT_WAIT_S
         with self._cond:
+            if request.worker_id in self._dead:  # its heartbeat tells it to join again
+                return cpb.GetAssignmentResponse()
             if request.worker_id not in self._workers:
                 raise NotFound(f"unknown worker {request.worker_id}; join first")
 
             def assigned() -> bool:
-                w = self._workers[request.worker_id]
-                return bool(w.run_id) or not w.alive
+                w = self._workers.get(request.worker_id)
+                return w is None or bool(w.run_id)
 
             wait_for_call(self._cond, assigned, wait_s, context, _WAIT_SLICE_S)
-            worker = self._workers[request.worker_id]
-            if not worker.run_id or not context.is_active():
+            worker = self._workers.get(request.worker_id)
+            if worker is None or not worker.run_id or not context.is_active():
                 return cpb.GetAssignmentResponse()
             status = self._runs[worker.run_id].status
             return cpb.GetAssignmentResponse(
@@ -250,12 +329,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 # Shards opened for a pending run know none of its workers (and refuse their
                 # pushes); an ended run has none left to serve.
                 raise NotNow(
-                    f"run {request.run_id} is {cpb.RunState.Name(record.status.state)}; "
+                    f"run {record.run_id} is {cpb.RunState.Name(record.status.state)}; "
                     "its placement is made once it runs, by its workers"
                 )
-            shards = [address for address, _ in self._shards]
+            shards = self._live_shards()
         with record.placement_lock:
             if record.placement is None:
+                if not shards:
+                    raise Unavailable("no live shard to place the run on; waiting for a shard to heartbeat")
                 try:
                     placement = place(list(request.tensors), shards, record.status.spec.part_size)
                 except ValueError as e:
@@ -265,6 +346,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     record.placement = placement
                     record.opened_on_shards = True
                     record.status.total_steps = request.total_steps
+                    if record.run_id not in self._runs:  # deleted while the shards opened it
+                        self._delete(record)
+                    elif record.ended:  # stopped meanwhile: free what waits on the shards
+                        self._to_shards(record, "EndRun", shard_pb2.EndRunRequest(run_id=record.run_id))
                     self._close_old_runs()
             elif list(record.placement.tensors) != list(request.tensors):
                 raise Invalid("tensors differ from those the run's first worker registered (same model and seed?)")
@@ -274,6 +359,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: cpb.ReportMetricsRequest, context: grpc.ServicerContext
     ) -> cpb.ReportMetricsResponse:
         m = request.metrics
+        check_metrics(m)
         with self._cond:
             record = self._record(request.run_id)
             if record.ended:
@@ -289,9 +375,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 return cpb.ReportMetricsResponse(stop=True)
             if m.done:
                 record.done.add(m.worker_id)
-                worker = self._workers.get(m.worker_id)
-                if worker is not None and worker.run_id == request.run_id:
-                    worker.run_id = ""
+                self._release(m.worker_id, record.run_id)
             self._event(record, m)
             self._maybe_complete(record)
             self._schedule()
@@ -302,7 +386,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def _record(self, run_id: str) -> RunRecord:
         record = self._runs.get(run_id)
         if record is None:
-            raise NotFound(f"unknown run {run_id!r}")
+            raise NotFound(f"unknown run {shown(run_id)}")
         return record
 
     def _snapshot(self, record: RunRecord) -> cpb.RunStatus:
@@ -315,26 +399,88 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         record.events.append(cpb.WatchRunResponse(run=self._snapshot(record), metrics=metrics))
         self._cond.notify_all()
 
+    def _running(self) -> int:
+        return sum(r.status.state == cpb.RUN_STATE_RUNNING for r in self._runs.values())
+
+    def _live_shards(self) -> list[str]:
+        return [s.address for s in self._shards.values() if s.alive]
+
+    def _shard_interval_ms(self) -> int:
+        # Ten heartbeats per timeout: a shard busy applying updates may miss a few.
+        return max(50, int(self.heartbeat_timeout_s * 1000 / 10))
+
+    def _shard_heard(self, address: str, device: str) -> tuple[ShardRecord, bool]:
+        """The shard at `address` is alive; registers it when unknown (True) or brings it back."""
+        now = time.monotonic()
+        shard = self._shards.get(address)
+        if shard is None:
+            if len(self._shards) >= MAX_SHARDS:
+                raise TooLarge(f"the coordinator knows {MAX_SHARDS} shards, its most")
+            shard = ShardRecord(self._next_shard_index, address, device, now)
+            self._next_shard_index += 1
+            self._shards[address] = shard
+            _LOGGER.info("shard %d registered at %s", shard.index, address)
+            self._schedule()
+            return shard, True
+        shard.last_seen, shard.device = now, device
+        if not shard.alive:
+            shard.alive = True
+            _LOGGER.info("shard %d at %s is back", shard.index, address)
+            self._schedule()
+        return shard, False
+
     def _schedule(self) -> None:
-        """Give the oldest pending run its workers once enough are idle (gang scheduling)."""
-        if not self._shards:
-            return
-        for record in self._runs.values():
-            if record.status.state != cpb.RUN_STATE_PENDING:
-                continue
-            idle = sorted(w.worker_id for w in self._workers.values() if w.alive and not w.run_id)
+        """Start every pending run that can start, oldest first (gang scheduling).
+
+        A run short of idle workers while the cluster has enough live ones (busy in other runs)
+        holds the idle ones for itself, so a stream of small runs cannot starve it; a run that
+        needs more workers than are live holds none, so it blocks nobody while it waits.
+        """
+        free, live = len(self._idle), len(self._workers)
+        no_shards = not any(s.alive for s in self._shards.values())
+        holder = ""  # the run that holds the idle workers, once one does
+        for record in list(self._pending.values()):
             need = record.status.spec.workers
-            if len(idle) < need:
-                return  # first come, first served: a big run is not starved by small ones
-            chosen = idle[:need]
-            for worker_id in chosen:
-                self._workers[worker_id].run_id = record.status.run_id
-            record.status.workers.extend(chosen)
-            record.live = set(chosen)
-            record.status.state = cpb.RUN_STATE_RUNNING
-            record.status.started_at = time.time()
+            if no_shards:
+                self._wait(record, "shards", "no live shard: waiting for a shard to register")
+            elif need > live:
+                self._wait(record, "workers", f"needs {_count(need, 'worker')}; {live} live: waiting for more to join")
+            elif holder:
+                self._wait(record, "queue", f"queued behind run {holder}, which waits for busy workers")
+            elif need <= free:
+                self._start(record, need)
+                free -= need
+            else:
+                holder = record.run_id
+                busy = live - len(self._idle)
+                self._wait(record, "busy", f"needs {_count(need, 'worker')}; {free} idle, {busy} busy in other runs")
+
+    def _wait(self, record: RunRecord, waiting_for: str, reason: str) -> None:
+        record.status.pending_reason = reason
+        if waiting_for != record.waiting_for:
+            record.waiting_for = waiting_for
             self._event(record)
-            _LOGGER.info("run %s started on workers %s", record.status.run_id, chosen)
+
+    def _start(self, record: RunRecord, need: int) -> None:
+        chosen = heapq.nsmallest(need, self._idle)
+        for worker_id in chosen:
+            self._workers[worker_id].run_id = record.run_id
+        self._idle.difference_update(chosen)
+        del self._pending[record.run_id]
+        record.status.workers.extend(chosen)
+        record.live = set(chosen)
+        record.status.state = cpb.RUN_STATE_RUNNING
+        record.status.started_at = time.time()
+        record.status.pending_reason = ""
+        self._event(record)
+        _LOGGER.info("run %s started on workers %s", record.run_id, chosen)
+
+    def _release(self, worker_id: int, run_id: str) -> None:
+        """The worker is done with `run_id`: back to the idle pool (when it is still live)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.run_id == run_id:
+            worker.run_id = ""
+            self._idle.add(worker_id)
 
     def _maybe_complete(self, record: RunRecord) -> None:
         if record.status.state != cpb.RUN_STATE_RUNNING:
@@ -351,14 +497,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         record.status.state = state
         record.status.message = message
         record.status.finished_at = time.time()
-        for worker in self._workers.values():
-            if worker.run_id == record.status.run_id:
-                worker.run_id = ""
+        record.status.pending_reason = ""
+        self._pending.pop(record.run_id, None)
+        for worker_id in record.status.workers:
+            self._release(worker_id, record.run_id)
         if record.opened_on_shards:  # free workers blocked on it (a pull for a step no one will push)
-            self._to_shards(record, "EndRun", shard_pb2.EndRunRequest(run_id=record.status.run_id))
+            self._to_shards(record, "EndRun", shard_pb2.EndRunRequest(run_id=record.run_id))
         self._event(record, metrics)
+        self._retain()
         self._schedule()
-        _LOGGER.info("run %s ended: %s %s", record.status.run_id, cpb.RunState.Name(state), message)
+        _LOGGER.info("run %s ended: %s %s", record.run_id, cpb.RunState.Name(state), message)
+
+    def _retain(self) -> None:
+        """Delete the ended runs beyond the newest `keep_runs` (by when they ended)."""
+        ended = [r for r in self._runs.values() if r.ended]
+        if len(ended) <= self.keep_runs:
+            return
+        ended.sort(key=lambda r: r.status.finished_at)
+        for record in ended[: len(ended) - self.keep_runs]:
+            self._delete(record)
+            _LOGGER.info("run %s deleted: more than %d ended runs kept", record.run_id, self.keep_runs)
+
+    def _delete(self, record: RunRecord) -> None:
+        self._runs.pop(record.run_id, None)
+        if record.opened_on_shards:  # the shards free its parameters
+            record.opened_on_shards = False
+            self._to_shards(record, "CloseRun", shard_pb2.CloseRunRequest(run_id=record.run_id))
+        self._cond.notify_all()
 
     def _stub(self, address: str) -> shard_pb2_grpc.ShardServiceStub:
         stub = self._shard_stubs.get(address)
@@ -388,7 +553,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         ended = [r for r in self._runs.values() if r.ended and r.placement is not None and r.opened_on_shards]
         for record in ended[:-_KEEP_ENDED_RUNS] if len(ended) > _KEEP_ENDED_RUNS else []:
             record.opened_on_shards = False
-            self._to_shards(record, "CloseRun", shard_pb2.CloseRunRequest(run_id=record.status.run_id))
+            self._to_shards(record, "CloseRun", shard_pb2.CloseRunRequest(run_id=record.run_id))
 
     def _to_shards(self, record: RunRecord, method: str, request: Message) -> None:
         """Send a control RPC to every shard of a run in the background (never under the lock)."""
@@ -404,49 +569,71 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         threading.Thread(target=send, daemon=True).start()
 
     def _watch_heartbeats(self) -> None:
-        """Declare workers dead after the heartbeat timeout; shrink their run's membership."""
+        """Declare silent workers and shards dead after the heartbeat timeout; forget them later."""
         while not self._stopped.wait(min(0.25, self.heartbeat_timeout_s / 4)):
             now = time.monotonic()
             with self._cond:
-                for worker in self._workers.values():
-                    if not worker.alive or now - worker.last_seen <= self.heartbeat_timeout_s:
-                        continue
-                    worker.alive = False
-                    _LOGGER.warning("worker %d missed heartbeats: declared dead", worker.worker_id)
-                    record = self._runs.get(worker.run_id)
-                    worker.run_id = ""
-                    if record is None or record.status.state != cpb.RUN_STATE_RUNNING:
-                        continue
-                    record.live.discard(worker.worker_id)
-                    record.status.dead_workers.append(worker.worker_id)
-                    record.epoch += 1
-                    self._to_shards(
-                        record,
-                        "SetMembership",
-                        shard_pb2.SetMembershipRequest(
-                            run_id=record.status.run_id, epoch=record.epoch, live_workers=sorted(record.live)
-                        ),
-                    )
-                    self._event(record)
-                    self._maybe_complete(record)
+                changed = self._expire_workers(now)
+                changed |= self._expire_shards(now)
+                if changed:
+                    self._schedule()
                 self._cond.notify_all()
 
+    def _expire_workers(self, now: float) -> bool:
+        """Move workers silent past the timeout to the dead (their run goes on without them), and
+        forget the dead after a while or beyond the most kept; True when any died."""
+        silent = [w for w in self._workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
+        for worker in silent:
+            _LOGGER.warning("worker %d missed heartbeats: declared dead", worker.worker_id)
+            del self._workers[worker.worker_id]
+            self._idle.discard(worker.worker_id)
+            worker.alive = False
+            self._dead[worker.worker_id] = worker
+            record = self._runs.get(worker.run_id)
+            worker.run_id = ""
+            if record is not None and record.status.state == cpb.RUN_STATE_RUNNING:
+                self._drop_member(record, worker.worker_id)
+        while self._dead and (
+            len(self._dead) > _KEEP_DEAD_WORKERS
+            or now - next(iter(self._dead.values())).last_seen > self._forget_after_s
+        ):
+            self._dead.popitem(last=False)
+        return bool(silent)
 
-def _address_problem(address: str) -> str:
-    """Why `address` is not a shard's HOST:PORT or [IPV6]:PORT; empty when it is one."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        return "no host"
-    if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            return "unclosed or empty [IPv6] host"
-    elif any(c in host for c in ":[]"):
-        return "an IPv6 host goes in brackets"
-    if any(c.isspace() or not c.isprintable() for c in host):
-        return "the host has blanks or control characters"
-    if not (port.isascii() and port.isdigit() and len(port) <= 5) or not 1 <= int(port) <= 65535:
-        return "the port must be a number in [1, 65535]"
-    return ""
+    def _drop_member(self, record: RunRecord, worker_id: int) -> None:
+        record.live.discard(worker_id)
+        record.status.dead_workers.append(worker_id)
+        record.epoch += 1
+        self._to_shards(
+            record,
+            "SetMembership",
+            shard_pb2.SetMembershipRequest(run_id=record.run_id, epoch=record.epoch, live_workers=sorted(record.live)),
+        )
+        self._event(record)
+        self._maybe_complete(record)
+
+    def _expire_shards(self, now: float) -> bool:
+        """Leave silent shards out of new placements; forget them after a while. True when any died."""
+        died = False
+        for shard in list(self._shards.values()):
+            silent_s = now - shard.last_seen
+            if shard.alive and silent_s > self.heartbeat_timeout_s:
+                shard.alive = False
+                died = True
+                _LOGGER.warning(
+                    "shard %d at %s missed heartbeats: new runs are placed without it", shard.index, shard.address
+                )
+            elif not shard.alive and silent_s > self._forget_after_s:
+                del self._shards[shard.address]
+        return died
+
+
+def _state_name(record: RunRecord) -> str:
+    return cpb.RunState.Name(record.status.state).removeprefix("RUN_STATE_").lower()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
@@ -473,15 +660,24 @@ def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
     show_envvar=True,
     default=5.0,
     type=click.FloatRange(min=0.1),
-    help="Seconds without a heartbeat before a worker is declared dead.",
+    help="Seconds without a heartbeat before a worker is declared dead (and forgotten), or a shard is left "
+    "out of new runs' placement.",
+)
+@click.option(
+    "--keep-runs",
+    envvar="GRADPS_KEEP_RUNS",
+    show_envvar=True,
+    default=DEFAULT_KEEP_RUNS,
+    type=click.IntRange(min=1),
+    help="Ended runs to keep (status and metrics); older ones are deleted.",
 )
 @port_file_option
 @log_level_option
-def main(port: int, heartbeat_timeout: float, port_file: str | None, log_level: str) -> None:
+def main(port: int, heartbeat_timeout: float, keep_runs: int, port_file: str | None, log_level: str) -> None:
     """gradps coordinator: runs, worker membership, placement table and metrics."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s coordinator %(levelname)s %(message)s")
     server = make_server(max_workers=64)
-    servicer = CoordinatorServicer(heartbeat_timeout)
+    servicer = CoordinatorServicer(heartbeat_timeout, keep_runs)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     add_health(server, ["gradps.v1.CoordinatorService"])
     try:

@@ -14,6 +14,10 @@ from gradps.placement import PartKey
 from gradps.shared_memory import Segment
 from gradps.v1 import run_pb2, shard_pb2
 
+# A worker's latest applied pushes a shard remembers: a push is made again before the worker's
+# next one (ShardLink retries inline), so a few are plenty.
+REMEMBERED_PUSHES = 16
+
 
 @dataclass
 class Part:
@@ -67,8 +71,9 @@ class RunState:
     live_workers: set[int]
     membership_epoch: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
-    # Last step pushed by each worker: a retried push is applied once.
-    last_step: dict[int, int] = field(default_factory=dict)
+    # Per worker, the steps of its latest applied pushes (REMEMBERED_PUSHES of them) and each
+    # one's staleness: a push made again is answered as it was and applied once.
+    applied: dict[int, dict[int, int]] = field(default_factory=dict)
     pushes: int = 0
     bytes_pushed: int = 0
     bytes_pulled: int = 0
@@ -142,9 +147,24 @@ class RunState:
             stream.close()
         self.streams = {}
 
-    def record_push(self, worker_id: int, step: int, nbytes: int) -> None:
-        """A push was applied: its step is remembered (a retry is answered `applied = false`)."""
-        self.last_step[worker_id] = step
+    def earlier_push(self, worker_id: int, step: int) -> tuple[bool, int] | None:
+        """What a push of `step` by `worker_id` got before, if it is not to be applied now:
+        (True, its staleness) when it was applied, (False, 0) when the worker has pushed a later
+        step since (dropped); None when it is new."""
+        applied = self.applied.get(worker_id, {})
+        if step in applied:
+            return True, applied[step]
+        if applied and step < max(applied):
+            return False, 0
+        return None
+
+    def record_push(self, worker_id: int, step: int, nbytes: int, staleness: int) -> None:
+        """A push was applied, whole: its step is remembered (one made again is answered
+        `applied = true`, with this staleness, and not applied again)."""
+        applied = self.applied.setdefault(worker_id, {})
+        applied[step] = staleness
+        if len(applied) > REMEMBERED_PUSHES:
+            del applied[min(applied)]
         self.pushes += 1
         self.bytes_pushed += nbytes
         self.cond.notify_all()

@@ -38,12 +38,22 @@ from gradps.codecs import CodecError, decode_part, decode_summand, get_pull_code
 from gradps.data_stream import DataStream, StreamListener
 from gradps.device import device_option
 from gradps.errors import AlreadyExists, Ended, Invalid, NotFound, NotNow, TimedOut, TooLarge, one_line
+from gradps.placement import PartKey
 from gradps.shared_memory import Segment, SegmentError, check_name
 from gradps.transport import INLINE_IN, Outbound, frame, unframe
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.call_routes import MAX_CLAIM_S, sending
 from ps_server.pulled import codec_name, fixed_payload, part_meta, pulled_parts
-from ps_server.received import Call, Decode, Received, decode_received, receive
+from ps_server.received import (
+    Call,
+    Decode,
+    Received,
+    check_alive,
+    check_whole,
+    decode_received,
+    expected_parts,
+    receive,
+)
 from ps_server.run_checks import check_open_run, check_part, check_step, check_workers, opened_by
 from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes import RULES, ShardRule
@@ -52,6 +62,7 @@ from ps_server.waiting import call_wait
 _LOGGER = logging.getLogger("gradps.shard")
 _DEFAULT_WAIT_S = 60.0
 _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
+_REGISTER = "RegisterTensors call"
 # A worker maps one segment per client of a run (see gradps/parameter_client.py); a few spare.
 _MAX_SEGMENTS_PER_WORKER = 4
 # Likewise data streams.
@@ -148,7 +159,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request_iterator: Iterable[bytes], context: grpc.ServicerContext
     ) -> shard_pb2.RegisterTensorsResponse:
         run: RunState | None = None
-        overwrite = False
+        header: tuple = ()
+        seen: set[PartKey] = set()
         decoded: list[tuple[Part, torch.Tensor]] = []
         for message in request_iterator:
             request, parts = unframe(message, shard_pb2.RegisterTensorsRequest)
@@ -156,24 +168,23 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 raise Invalid("a RegisterTensorsRequest carries one part")
             if run is None:
                 run, _ = self._run(request.run_id)
-            elif request.run_id != run.run_id:
-                raise Invalid("one RegisterTensors call per run")
-            overwrite = overwrite or request.overwrite
+                header = request.run_id, request.overwrite, expected_parts(request.part_count, run, _REGISTER)
+            elif (request.run_id, request.overwrite, request.part_count) != header:
+                raise Invalid("every message of a RegisterTensors call repeats its run_id, overwrite and part_count")
             ((meta, data),) = parts
-            part = check_part(run, meta)
-            if not is_plain(meta.codec):
-                codec = codec_name(meta.codec)
-                raise Invalid(f"part {meta.name}/{meta.index}: initial values travel with codec none, not {codec}")
+            part = _initial_part(run, meta, seen, header[2])
             values, _ = decode_received(meta, data, INLINE_IN, decode_part, self.device)
             # Validated either way; kept only where it may still be needed (every later worker
             # registers the same values, which the first upload already set).
-            if overwrite or not part.initialised:
+            if request.overwrite or not part.initialised:
                 decoded.append((part, values))
             del values, data, meta, request, message
         if run is None:
             return shard_pb2.RegisterTensorsResponse()
+        check_whole(len(seen), header[2], _REGISTER, context)  # a call cut short sets nothing
         with run.cond:
-            return shard_pb2.RegisterTensorsResponse(initialised=run.initialise(decoded, overwrite))
+            check_alive(context, _REGISTER)
+            return shard_pb2.RegisterTensorsResponse(initialised=run.initialise(decoded, header[1]))
 
     def Pull(self, request: shard_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         run, rule = self._run(request.run_id)
@@ -183,7 +194,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def Push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> shard_pb2.PushResponse:
         with ExitStack() as claims:
             got = receive(self._push, request_iterator, claims, context)
-        return _apply(got)
+        return _apply(got, context)
 
     def PushPull(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         with ExitStack() as claims:
@@ -193,7 +204,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         pull.CopyFrom(got.header.pull)
         pull.run_id, pull.worker_id = run.run_id, got.header.worker_id
         route = _pull_route(run, rule, pull, context)  # checked before the push changes anything
-        header = shard_pb2.PushPullResponse(push=_apply(got))
+        header = shard_pb2.PushPullResponse(push=_apply(got, context))
         yield from _answer(run, rule, pull, route, header, context)
 
     def GroupAverage(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -216,6 +227,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         with run.cond:
             if run.ended:
                 raise Ended(f"run {run.run_id!r} ended: no more rounds")
+            check_alive(context, "deposit")  # a deposit of a call that went first is not stored
             wait = call_wait(run, context, f"round {header.step} of {sorted(members)}")
             averages, frontier = rule.group_average(
                 header.worker_id, header.step, members, header.is_global, got.values, wait=wait
@@ -234,8 +246,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             check_name(request.segment)
         except SegmentError as e:
             raise Invalid(str(e)) from None
+        with run.cond:
+            _check_live(run, request.worker_id)  # before any descriptor is opened
         try:
-            segment = Segment.open(request.segment, request.token)
+            # Only a memfd sealed against shrinking: no client can cut pages the shard maps.
+            segment = Segment.open(request.segment, request.token, request.pid, request.fd, request.pid_namespace)
         except SegmentError as e:
             raise NotNow(str(e)) from None
         key = (request.worker_id, request.segment)
@@ -334,19 +349,37 @@ def _answer(
         yield from frame(header, items, out, guard=run.cond)
 
 
-def _apply(got: Received) -> shard_pb2.PushResponse:
-    """Apply a push read whole, once per (worker, step)."""
+def _apply(got: Received, context: grpc.ServicerContext) -> shard_pb2.PushResponse:
+    """Apply a push read whole, as one unit under the run's lock, once per (worker, step): one
+    made again after an applied one is answered as that one was."""
     run, rule = got.found
     worker_id, step = got.header.worker_id, got.header.step
     with run.cond:
         if run.ended:
             raise Ended(f"run {run.run_id!r} ended: no more pushes")
         _check_live(run, worker_id)
-        if step <= run.last_step.get(worker_id, -1):  # a retry of an applied push
-            return shard_pb2.PushResponse(parts=len(got.values), applied=False)
+        if (earlier := run.earlier_push(worker_id, step)) is not None:
+            applied, staleness = earlier
+            return shard_pb2.PushResponse(parts=len(got.values), staleness=staleness, applied=applied)
+        check_alive(context, "push")  # its client gave up: it will make the push again
         staleness = rule.push(Push(worker_id, step, got.values, got.versions))
-        run.record_push(worker_id, step, got.nbytes)
+        run.record_push(worker_id, step, got.nbytes, staleness)
     return shard_pb2.PushResponse(parts=len(got.values), staleness=staleness, applied=True)
+
+
+def _initial_part(run: RunState, meta: tensor_pb2.TensorPart, seen: set[PartKey], expected: int) -> Part:
+    """The part a RegisterTensors message sets, checked: codec none, once per call, within the
+    call's part_count (`seen`: the parts before it)."""
+    if len(seen) == expected:
+        raise Invalid(f"a {_REGISTER} of part_count {expected} carries more parts")
+    part = check_part(run, meta)
+    if not is_plain(meta.codec):
+        codec = codec_name(meta.codec)
+        raise Invalid(f"part {meta.name}/{meta.index}: initial values travel with codec none, not {codec}")
+    if part.key in seen:
+        raise Invalid(f"part {meta.name}/{meta.index} registered twice")
+    seen.add(part.key)
+    return part
 
 
 def _push_header(request: shard_pb2.PushRequest) -> tuple:
@@ -382,8 +415,15 @@ def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
     )
 
 
-def register_with_coordinator(coordinator: str, address: str, device: str, timeout_s: float = 60.0) -> int:
-    """Announce this shard; retry while the coordinator starts (compose starts them together)."""
+# Heartbeats to the coordinator, when it names no interval.
+_HEARTBEAT_S = 0.5
+
+
+def register_with_coordinator(
+    coordinator: str, address: str, device: str, timeout_s: float = 60.0
+) -> tuple[int, float]:
+    """Announce this shard; retry while the coordinator starts (compose starts them together).
+    Returns the shard's index and how often to heartbeat (seconds)."""
     deadline = time.monotonic() + timeout_s
     warned = False
     with open_channel(coordinator) as channel:
@@ -393,14 +433,46 @@ def register_with_coordinator(coordinator: str, address: str, device: str, timeo
                 response = stub.RegisterShard(
                     coordinator_pb2.RegisterShardRequest(address=address, device=device), timeout=5
                 )
-                return response.shard_index
+                return response.shard_index, response.heartbeat_interval_ms / 1000 or _HEARTBEAT_S
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a bad --advertise-host: no retry mends it
+                    raise click.ClickException(f"coordinator {coordinator} refused this shard: {e.details()}") from None
                 if time.monotonic() > deadline:
                     raise click.ClickException(f"cannot reach coordinator at {coordinator}: {e.details()}") from None
                 if not warned:  # say why nothing happens yet
                     _LOGGER.warning("coordinator %s: %s; retrying %.0f s", coordinator, e.code().name, timeout_s)
                     warned = True
                 time.sleep(0.5)
+
+
+def heartbeat_coordinator(
+    coordinator: str, address: str, device: str, interval_s: float, stopped: threading.Event
+) -> None:
+    """Heartbeat the coordinator with this shard's identity until `stopped`: a coordinator that
+    restarted (and knows no shard) takes this one in with the next heartbeat."""
+    lost = False
+    channel = open_channel(coordinator)
+    try:
+        while not stopped.wait(interval_s):
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            request = coordinator_pb2.ShardHeartbeatRequest(address=address, device=device)
+            try:
+                response = stub.ShardHeartbeat(request, timeout=max(1.0, 2 * interval_s))
+            except grpc.RpcError as e:
+                if not lost:
+                    _LOGGER.warning("coordinator %s: %s; heartbeating on", coordinator, e.code().name)
+                    lost = True
+                # A new channel connects at once; the old one would wait out gRPC's reconnect
+                # backoff (up to minutes), long after the coordinator is back.
+                channel.close()
+                channel = open_channel(coordinator)
+                continue
+            if response.registered or lost:
+                _LOGGER.info("coordinator %s: shard %d at %s", coordinator, response.shard_index, address)
+            lost = False
+            interval_s = response.heartbeat_interval_ms / 1000 or interval_s
+    finally:
+        channel.close()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -448,7 +520,15 @@ def main(
     except OSError as e:
         raise click.UsageError(f"--port {port}: {e}") from None
     server.start()
-    index = register_with_coordinator(coordinator, f"{advertise_host}:{bound}", str(torch_device))
+    address = f"{advertise_host}:{bound}"
+    index, interval_s = register_with_coordinator(coordinator, address, str(torch_device))
+    stopped = threading.Event()
+    threading.Thread(
+        target=heartbeat_coordinator,
+        args=(coordinator, address, str(torch_device), interval_s, stopped),
+        name="coordinator-heartbeat",
+        daemon=True,
+    ).start()
     write_port_file(port_file, bound)  # its folder was checked before registering (port_file_option)
     _LOGGER.info(
         "shard %d serving on port %d, data streams on %s (%s)",
@@ -458,6 +538,7 @@ def main(
         torch_device,
     )
     serve_until_signal(server)
+    stopped.set()
 
 
 if __name__ == "__main__":

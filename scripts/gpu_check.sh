@@ -53,7 +53,7 @@ def seconds(fn, k=20):
     sync(); return (time.perf_counter() - start) / k
 on_device = torch.randn(n, device=device)
 for pin in (False, True):
-    segment = Segment.create(4 * n); segment.unlink()
+    segment = Segment.create(4 * n); segment.release()
     pinned = segment.pin() if pin else False
     view = segment.floats(ALIGN, n)
     to_device = seconds(lambda: on_device.copy_(view))

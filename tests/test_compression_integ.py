@@ -173,7 +173,8 @@ def test_malformed_compressed_pushes_are_rejected_and_change_nothing(shards_only
         with open_channel(placement.shards[target.shard]) as channel:
             stub = shard_pb2_grpc.ShardServiceStub(channel)
             for case, params, payload, is_lz4, words in _malformed_cases(target.count):
-                requests = [shard_pb2.PushRequest(run_id=run_id, worker_id=worker, step=0)]
+                count = 2 if lead is not None else 1  # the parts this push announces
+                requests = [shard_pb2.PushRequest(run_id=run_id, worker_id=worker, step=0, part_count=count)]
                 if lead is not None:
                     requests[0].part.CopyFrom(
                         tensor_pb2.TensorPart(
@@ -187,7 +188,7 @@ def test_malformed_compressed_pushes_are_rejected_and_change_nothing(shards_only
                             lz4=lead_lz4,
                         )
                     )
-                    requests.append(shard_pb2.PushRequest(run_id=run_id, worker_id=worker, step=0))
+                    requests.append(shard_pb2.PushRequest(run_id=run_id, worker_id=worker, step=0, part_count=count))
                 requests[-1].part.CopyFrom(part(params, payload, is_lz4))
                 with pytest.raises(grpc.RpcError) as err:
                     stub.Push(iter(requests), timeout=10)

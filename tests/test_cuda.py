@@ -99,7 +99,7 @@ def test_a_pinned_segment_copies_to_and_from_the_gpu():
         back.copy_(view)
         assert torch.equal(back, values)
     finally:
-        segment.unlink()
+        segment.release()
     del segment
     assert torch.equal(view.cuda(), values)
 

@@ -123,7 +123,7 @@ def _call(stream_id: int, number: int) -> shard_pb2.StreamCall:
 def _push_request(
     run_id: str, worker: int, step: int, part: tensor_pb2.TensorPart, stream: shard_pb2.StreamCall | None = None
 ) -> shard_pb2.PushRequest:
-    request = shard_pb2.PushRequest(run_id=run_id, worker_id=worker, step=step)
+    request = shard_pb2.PushRequest(run_id=run_id, worker_id=worker, step=step, part_count=1)
     request.part.CopyFrom(part)
     if stream is not None:
         request.stream.CopyFrom(stream)
@@ -522,10 +522,11 @@ def test_bad_streamed_pushes_are_rejected_and_change_nothing(shards_only):
         assert [s.pushes for s in run.stats()] == [0, 0, 0]
         assert torch.equal(_pulled(run.clients[0], tensors)["w"], tensors["w"])
 
-        # A good streamed push on a fresh stream is applied once; a retry of it reads its bytes
-        # and reports applied=False; the stream still carries the next push.
+        # A good streamed push on a fresh stream is applied once; a retry of it reads its bytes,
+        # is not applied again and is answered as the push was (applied); the stream still
+        # carries the next push.
         t4, tsock4 = attach(theirs)
-        for number, step, applied in ((1, 0, True), (2, 0, False), (3, 1, True)):
+        for number, step, applied in ((1, 0, True), (2, 0, True), (3, 1, True)):
             with _writing(tsock4, _frame(number, good)):
                 response = push(_part(p, streamed=size), _call(t4, number), worker=theirs, step=step)
             assert (response.parts, response.applied) == (1, applied)

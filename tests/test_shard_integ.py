@@ -59,7 +59,8 @@ def test_parts_balanced_over_three_shards_and_large_tensor_round_trips(shards_on
 
 
 def _push_raw(stub, run_id: str, worker_id: int, part: tensor_pb2.TensorPart, step: int = 0):
-    return stub.Push(iter([shard_pb2.PushRequest(run_id=run_id, worker_id=worker_id, step=step, part=part)]))
+    request = shard_pb2.PushRequest(run_id=run_id, worker_id=worker_id, step=step, part=part, part_count=1)
+    return stub.Push(iter([request]))
 
 
 def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
@@ -127,10 +128,14 @@ def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
                         iter(
                             [
                                 shard_pb2.PushRequest(
-                                    run_id=run_id, worker_id=sessions[0].worker_id, step=0, part=first
+                                    run_id=run_id, worker_id=sessions[0].worker_id, step=0, part=first, part_count=2
                                 ),
                                 shard_pb2.PushRequest(
-                                    run_id=run_id, worker_id=sessions[0].worker_id, step=0, part=part(payload=good[:5])
+                                    run_id=run_id,
+                                    worker_id=sessions[0].worker_id,
+                                    step=0,
+                                    part=part(payload=good[:5]),
+                                    part_count=2,
                                 ),
                             ]
                         )
@@ -139,11 +144,12 @@ def test_bad_pushes_are_rejected_and_change_nothing(shards_only):
         clients[0].pull(pulled)
         for name, t in tensors.items():
             assert torch.equal(pulled[name], t), f"{name} changed after rejected pushes"
-        # And a good push still works afterwards (and is applied exactly once when retried).
+        # And a good push still works afterwards, and is applied exactly once when made again (the
+        # retry is answered as the push was: applied).
         with open_channel(placement.shards[p.shard]) as ch:
             stub = shard_pb2_grpc.ShardServiceStub(ch)
             assert _push_raw(stub, run_id, sessions[0].worker_id, part(), step=5).applied
-            assert not _push_raw(stub, run_id, sessions[0].worker_id, part(), step=5).applied
+            assert _push_raw(stub, run_id, sessions[0].worker_id, part(), step=5).applied
         clients[0].pull(pulled)
         assert torch.allclose(pulled["w"].view(-1)[: p.count], tensors["w"].view(-1)[: p.count] - lr)
     finally:
@@ -319,14 +325,16 @@ def test_a_group_average_moves_large_and_batched_small_parts(shards_only, transp
         assert streamed == ({"sent": big, "received": big} if transport == "stream" else {"sent": 0, "received": 0})
         with open_channel(placement.shards[0]) as channel:
             stub = shard_pb2_grpc.ShardServiceStub(channel)
-            empty = shard_pb2.GroupAverageRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=4)
+            empty = shard_pb2.GroupAverageRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=4, part_count=1)
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.GroupAverage(iter([empty])))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "without a part" in err.value.details()
             # A part whose bytes would follow on a data stream the call does not name.
             (p,) = [p for p in placement.parts if p.shard == 0 and 4 * p.count > (256 << 10)][:1]
-            streamed = shard_pb2.GroupAverageRequest(run_id=run_id, worker_id=sessions[0].worker_id, step=4)
+            streamed = shard_pb2.GroupAverageRequest(
+                run_id=run_id, worker_id=sessions[0].worker_id, step=4, part_count=1
+            )
             streamed.part.CopyFrom(
                 tensor_pb2.TensorPart(
                     name=p.name, index=p.index, offset=p.offset, count=p.count, dtype=tensor_pb2.DTYPE_FLOAT32

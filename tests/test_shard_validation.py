@@ -65,17 +65,29 @@ def _push(stub, run_id: str, worker: int, step: int, part: tensor_pb2.TensorPart
 
 
 def _register(stub, run_id: str, part: tensor_pb2.TensorPart, overwrite: bool = False):
-    request = shard_pb2.RegisterTensorsRequest(run_id=run_id, overwrite=overwrite)
+    request = shard_pb2.RegisterTensorsRequest(run_id=run_id, overwrite=overwrite, part_count=1)
     request.part.CopyFrom(part)
     return stub.RegisterTensors(iter([request]), timeout=10)
 
 
 def _deposit_requests(
-    run_id: str, worker: int, step: int, members: list[int], parts: list[tensor_pb2.TensorPart], is_global=False
+    run_id: str,
+    worker: int,
+    step: int,
+    members: list[int],
+    parts: list[tensor_pb2.TensorPart],
+    is_global=False,
+    part_count: int | None = None,
 ) -> Iterator[shard_pb2.GroupAverageRequest]:
+    """A deposit's messages, one part each, announcing `part_count` parts (default: all of `parts`)."""
     for part in parts:
         request = shard_pb2.GroupAverageRequest(
-            run_id=run_id, worker_id=worker, step=step, members=members, is_global=is_global
+            run_id=run_id,
+            worker_id=worker,
+            step=step,
+            members=members,
+            is_global=is_global,
+            part_count=len(parts) if part_count is None else part_count,
         )
         request.part.CopyFrom(part)
         yield request
@@ -151,7 +163,9 @@ def test_a_bad_deposit_is_rejected_and_stores_nothing(shards_only, bad):
                 "part twice": ([w0, w1], [zeros[0], *zeros], "deposited twice"),
                 "stranger member": ([w0, w1, 777], zeros, "not workers of run"),
             }[bad]
-            _rejected(lambda: list(stub.GroupAverage(_deposit_requests(run_id, w0, 5, members, parts))), INVALID, words)
+            count = min(len(parts), len(mine))  # what the shard holds: the second copy is the fault
+            requests = _deposit_requests(run_id, w0, 5, members, parts, part_count=count)
+            _rejected(lambda: list(stub.GroupAverage(requests)), INVALID, words)
             # w1 arrives first at the round: w0 deposited nothing, so the average is w1's own model.
             ones = [_part(p, payload=_values(p, 1.0)) for p in mine]
             average = _group_average(stub, run_id, w1, 5, [w0, w1], ones)

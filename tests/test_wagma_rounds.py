@@ -99,3 +99,21 @@ def test_gradient_pushes_are_refused():
     rule = _rule()
     with pytest.raises(NotNow, match="GroupAverage"):
         rule.push(Push(0, 0, {KEY: torch.zeros(4)}, {KEY: 0}))
+
+
+def _kept_steps(rule: WagmaRule) -> dict[int, list[int]]:
+    return {w: [s for s, _ in parts[KEY]] for w, parts in rule.deposits.items()}
+
+
+def test_a_deposit_older_than_the_kept_rounds_is_refused_with_the_frontier_and_changes_nothing():
+    rule = _rule()
+    _deposit(rule, 0, 5, 5.0)
+    _deposit(rule, 0, 6, 6.0)
+    kept, rounds = _kept_steps(rule), set(rule.rounds)
+    with pytest.raises(NotNow, match=r"round at step 3 is gone: .* jump to step 6 \(the frontier\)"):
+        _deposit(rule, 0, 3, 3.0)  # older than both deposits kept: its round could average nothing
+    assert _kept_steps(rule) == kept and set(rule.rounds) == rounds and rule.frontier == 6
+    # With one newer deposit kept, an older one still has its round: fixed from the worker's own model.
+    _deposit(rule, 1, 7, 70.0, members=(1, 2))
+    value, frontier = _deposit(rule, 1, 2, 20.0, members=(1, 3))
+    assert value == pytest.approx(20.0) and frontier == 7

@@ -9,6 +9,7 @@ call uses an area at a time; a call that finds it busy sends inline.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -18,7 +19,7 @@ import grpc
 from google.protobuf.message import Message
 
 from gradps.errors import Invalid
-from gradps.shared_memory import ALIGN, RegionWriter, Segment, SegmentError, aligned
+from gradps.shared_memory import ALIGN, RegionWriter, Segment, SegmentError, aligned, pid_namespace
 from gradps.transport.base import INLINE_IN, INLINE_OUT, Buffer, Inbound, Outbound, Route
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
 
@@ -107,7 +108,7 @@ class SharedMemoryRoute(Route):
         timeout_s: float,
     ) -> SharedMemoryRoute | None:
         """A segment with room for every part of the shard twice (a push and a pull at once),
-        mapped by the shard; None when it cannot be (another host, no /dev/shm)."""
+        mapped by the shard; None when it cannot be (another host or PID namespace, no memfd)."""
         # Any codec's payload of a part fits in its float32 bytes (top-k above half does not:
         # such parts go inline).
         length = sum(aligned(4 * count) for count in part_counts)
@@ -118,15 +119,21 @@ class SharedMemoryRoute(Route):
             return None
         try:
             request = shard_pb2.MapSegmentRequest(
-                run_id=run_id, worker_id=worker_id, segment=segment.name, token=segment.token
+                run_id=run_id,
+                worker_id=worker_id,
+                segment=segment.name,
+                token=segment.token,
+                pid=os.getpid(),
+                fd=segment.descriptor(),
+                pid_namespace=pid_namespace(),
             )
-            # A short deadline: until the shard answers, the segment has a name that could leak.
+            # The shard opens the segment through the descriptor while the call runs.
             stub.MapSegment(request, timeout=min(timeout_s, 10.0))
         except grpc.RpcError as e:
             _LOGGER.info("payloads inline (%s: %s)", e.code().name, e.details())
             return None
         finally:
-            segment.unlink()  # both processes hold it now: it goes when the last one drops it
+            segment.release()  # both processes map it now (or only this one): it goes with the last
         return cls(segment, length)
 
     @property

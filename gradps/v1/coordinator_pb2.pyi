@@ -66,7 +66,7 @@ class Metrics(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., weights_digest: _Optional[bytes] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message")
+    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class RunStatus(_message.Message):
     LATEST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_REASON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec: _run_pb2.RunSpec
     state: RunState
@@ -89,7 +90,8 @@ class RunStatus(_message.Message):
     latest: _containers.RepeatedCompositeFieldContainer[Metrics]
     total_steps: int
     message: str
-    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    pending_reason: str
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("spec",)
@@ -137,6 +139,16 @@ class StopRunResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DeleteRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class DeleteRunResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WatchRunRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -181,13 +193,27 @@ class WorkerInfo(_message.Message):
     run_id: str
     def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
 
+class ShardInfo(_message.Message):
+    __slots__ = ("shard_index", "address", "device", "alive")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    address: str
+    device: str
+    alive: bool
+    def __init__(self, shard_index: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ...) -> None: ...
+
 class GetClusterResponse(_message.Message):
-    __slots__ = ("shards", "workers")
+    __slots__ = ("shards", "workers", "shard_infos")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INFOS_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    shard_infos: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., shard_infos: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
 
 class RegisterShardRequest(_message.Message):
     __slots__ = ("address", "device")
@@ -198,10 +224,30 @@ class RegisterShardRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterShardResponse(_message.Message):
-    __slots__ = ("shard_index",)
+    __slots__ = ("shard_index", "heartbeat_interval_ms")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
-    def __init__(self, shard_index: _Optional[int] = ...) -> None: ...
+    heartbeat_interval_ms: int
+    def __init__(self, shard_index: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class ShardHeartbeatRequest(_message.Message):
+    __slots__ = ("address", "device")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    device: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ShardHeartbeatResponse(_message.Message):
+    __slots__ = ("shard_index", "registered", "heartbeat_interval_ms")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    registered: bool
+    heartbeat_interval_ms: int
+    def __init__(self, shard_index: _Optional[int] = ..., registered: _Optional[bool] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class JoinWorkerRequest(_message.Message):
     __slots__ = ("name", "device")

@@ -55,6 +55,11 @@ class CoordinatorServiceStub:
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_coordinator__pb2.StopRunResponse.FromString,
                 _registered_method=True)
+        self.DeleteRun = channel.unary_unary(
+                '/gradps.v1.CoordinatorService/DeleteRun',
+                request_serializer=gradps_dot_v1_dot_coordinator__pb2.DeleteRunRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_coordinator__pb2.DeleteRunResponse.FromString,
+                _registered_method=True)
         self.WatchRun = channel.unary_stream(
                 '/gradps.v1.CoordinatorService/WatchRun',
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.WatchRunRequest.SerializeToString,
@@ -74,6 +79,11 @@ class CoordinatorServiceStub:
                 '/gradps.v1.CoordinatorService/RegisterShard',
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.RegisterShardRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_coordinator__pb2.RegisterShardResponse.FromString,
+                _registered_method=True)
+        self.ShardHeartbeat = channel.unary_unary(
+                '/gradps.v1.CoordinatorService/ShardHeartbeat',
+                request_serializer=gradps_dot_v1_dot_coordinator__pb2.ShardHeartbeatRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_coordinator__pb2.ShardHeartbeatResponse.FromString,
                 _registered_method=True)
         self.JoinWorker = channel.unary_unary(
                 '/gradps.v1.CoordinatorService/JoinWorker',
@@ -109,7 +119,8 @@ class CoordinatorServiceServicer:
     def SubmitRun(self, request, context):
         """Client: queue a run. INVALID_ARGUMENT for a spec that would fail later (any number that is
         not finite or out of range, codec parameters, more than 4096 workers, unknown built-in model
-        or dataset names).
+        or dataset names) or beyond the size limits above; RESOURCE_EXHAUSTED when 1024 runs are
+        pending or running.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +142,15 @@ class CoordinatorServiceServicer:
 
     def StopRun(self, request, context):
         """Client: stop a run; its workers return to the idle pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteRun(self, request, context):
+        """Client: forget an ended run: its status, metrics and the parameters its shards keep.
+        FAILED_PRECONDITION for a run that is pending or running (stop it first), NOT_FOUND for an
+        unknown one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,7 +181,17 @@ class CoordinatorServiceServicer:
 
     def RegisterShard(self, request, context):
         """Shard: announce itself at HOST:PORT or [IPV6]:PORT; shards are numbered in order of
-        registration.
+        registration. Registering a known address again answers its index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShardHeartbeat(self, request, context):
+        """Shard: I am alive, at this address, with this device. A coordinator that does not know the
+        shard (it restarted, or forgot a shard it had declared dead) registers it with this call, so
+        a restarted coordinator knows its shards again within one heartbeat. A shard silent for the
+        heartbeat timeout is left out of the placement of new runs until it heartbeats again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,7 +205,9 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Worker: I am alive; the answer says whether my run was stopped.
+        """Worker: I am alive; the answer says whether my run was stopped. A worker silent for the
+        heartbeat timeout (joined and never heard of again, or stopped) is declared dead and
+        forgotten: its next heartbeat is told to join again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -227,6 +259,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.StopRunRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_coordinator__pb2.StopRunResponse.SerializeToString,
             ),
+            'DeleteRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRun,
+                    request_deserializer=gradps_dot_v1_dot_coordinator__pb2.DeleteRunRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_coordinator__pb2.DeleteRunResponse.SerializeToString,
+            ),
             'WatchRun': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchRun,
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.WatchRunRequest.FromString,
@@ -246,6 +283,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.RegisterShard,
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.RegisterShardRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_coordinator__pb2.RegisterShardResponse.SerializeToString,
+            ),
+            'ShardHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShardHeartbeat,
+                    request_deserializer=gradps_dot_v1_dot_coordinator__pb2.ShardHeartbeatRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_coordinator__pb2.ShardHeartbeatResponse.SerializeToString,
             ),
             'JoinWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinWorker,
@@ -393,6 +435,33 @@ class CoordinatorService:
             _registered_method=True)
 
     @staticmethod
+    def DeleteRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.CoordinatorService/DeleteRun',
+            gradps_dot_v1_dot_coordinator__pb2.DeleteRunRequest.SerializeToString,
+            gradps_dot_v1_dot_coordinator__pb2.DeleteRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def WatchRun(request,
             target,
             options=(),
@@ -490,6 +559,33 @@ class CoordinatorService:
             '/gradps.v1.CoordinatorService/RegisterShard',
             gradps_dot_v1_dot_coordinator__pb2.RegisterShardRequest.SerializeToString,
             gradps_dot_v1_dot_coordinator__pb2.RegisterShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShardHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.CoordinatorService/ShardHeartbeat',
+            gradps_dot_v1_dot_coordinator__pb2.ShardHeartbeatRequest.SerializeToString,
+            gradps_dot_v1_dot_coordinator__pb2.ShardHeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ from gradps.v1 import run_pb2 as gradps_dot_v1_dot_run__pb2
 from gradps.v1 import tensor_pb2 as gradps_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gradps/v1/shard.proto\x12\tgradps.v1\x1a\x13gradps/v1/run.proto\x1a\x16gradps/v1/tensor.proto\"Z\n\rPartPlacement\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\r\n\x05shard\x18\x05 \x01(\r\"}\n\tPlacement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06shards\x18\x02 \x03(\t\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.gradps.v1.TensorSpec\x12\'\n\x05parts\x18\x04 \x03(\x0b\x32\x18.gradps.v1.PartPlacement\"\xa6\x01\n\x0eOpenRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.gradps.v1.RunSpec\x12\'\n\tplacement\x18\x03 \x01(\x0b\x32\x14.gradps.v1.Placement\x12\x13\n\x0bshard_index\x18\x04 \x01(\r\x12\x0f\n\x07workers\x18\x05 \x03(\r\x12\x13\n\x0btotal_steps\x18\x06 \x01(\x04\"\x11\n\x0fOpenRunResponse\"!\n\x0f\x43loseRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x12\n\x10\x43loseRunResponse\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x10\n\x0e\x45ndRunResponse\"K\n\x14SetMembershipRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x14\n\x0clive_workers\x18\x03 \x03(\r\"\x17\n\x15SetMembershipResponse\"`\n\x16RegisterTensorsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x04part\x18\x02 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12\x11\n\toverwrite\x18\x03 \x01(\x08\".\n\x17RegisterTensorsResponse\x12\x13\n\x0binitialised\x18\x01 \x01(\r\"\x90\x02\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12%\n\x05\x63odec\x18\x06 \x01(\x0b\x32\x16.gradps.v1.CodecParams\x12\r\n\x05\x63lock\x18\x07 \x01(\x04\x12\x10\n\x08gradient\x18\x08 \x01(\x08\x12\x15\n\rgradient_step\x18\t \x01(\x04\x12%\n\x04into\x18\n \x01(\x0b\x32\x17.gradps.v1.SharedRegion\x12%\n\x06stream\x18\x0b \x01(\x0b\x32\x15.gradps.v1.StreamCallJ\x04\x08\x03\x10\x04R\x05parts\"Y\n\x0cPullResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x02 \x03(\x0b\x32\x15.gradps.v1.TensorPart\"\xb0\x01\n\x0bPushRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12#\n\x04part\x18\x04 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x05 \x03(\x0b\x32\x15.gradps.v1.TensorPart\x12%\n\x06stream\x18\x06 \x01(\x0b\x32\x15.gradps.v1.StreamCall\"\xda\x01\n\x0fPushPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12#\n\x04part\x18\x04 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x05 \x03(\x0b\x32\x15.gradps.v1.TensorPart\x12%\n\x06stream\x18\x06 \x01(\x0b\x32\x15.gradps.v1.StreamCall\x12$\n\x04pull\x18\x07 \x01(\x0b\x32\x16.gradps.v1.PullRequest\"\x84\x01\n\x10PushPullResponse\x12%\n\x04push\x18\x01 \x01(\x0b\x32\x17.gradps.v1.PushResponse\x12#\n\x04part\x18\x02 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x03 \x03(\x0b\x32\x15.gradps.v1.TensorPart\"A\n\x0cPushResponse\x12\r\n\x05parts\x18\x01 \x01(\r\x12\x11\n\tstaleness\x18\x02 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\"\x83\x02\n\x13GroupAverageRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\r\x12\x11\n\tis_global\x18\x05 \x01(\x08\x12#\n\x04part\x18\x06 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x07 \x03(\x0b\x32\x15.gradps.v1.TensorPart\x12%\n\x04into\x18\x08 \x01(\x0b\x32\x17.gradps.v1.SharedRegion\x12%\n\x06stream\x18\t \x01(\x0b\x32\x15.gradps.v1.StreamCall\"a\n\x14GroupAverageResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x02 \x03(\x0b\x32\x15.gradps.v1.TensorPart\"V\n\x11MapSegmentRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0f\n\x07segment\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x0c\"\"\n\x12MapSegmentResponse\x12\x0c\n\x04size\x18\x01 \x01(\x04\"6\n\x11OpenStreamRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\"A\n\x12OpenStreamResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0e\n\x06stream\x18\x03 \x01(\x04\"*\n\nStreamCall\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x0c\n\x04\x63\x61ll\x18\x02 \x01(\x04\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x97\x01\n\x10GetStatsResponse\x12\r\n\x05parts\x18\x01 \x01(\r\x12\x13\n\x0bparam_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06pushes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_pushed\x18\x04 \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\x05 \x01(\x04\x12\x13\n\x0bmin_version\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t2\xf3\x06\n\x0cShardService\x12@\n\x07OpenRun\x12\x19.gradps.v1.OpenRunRequest\x1a\x1a.gradps.v1.OpenRunResponse\x12\x43\n\x08\x43loseRun\x12\x1a.gradps.v1.CloseRunRequest\x1a\x1b.gradps.v1.CloseRunResponse\x12=\n\x06\x45ndRun\x12\x18.gradps.v1.EndRunRequest\x1a\x19.gradps.v1.EndRunResponse\x12R\n\rSetMembership\x12\x1f.gradps.v1.SetMembershipRequest\x1a .gradps.v1.SetMembershipResponse\x12Z\n\x0fRegisterTensors\x12!.gradps.v1.RegisterTensorsRequest\x1a\".gradps.v1.RegisterTensorsResponse(\x01\x12\x39\n\x04Pull\x12\x16.gradps.v1.PullRequest\x1a\x17.gradps.v1.PullResponse0\x01\x12\x39\n\x04Push\x12\x16.gradps.v1.PushRequest\x1a\x17.gradps.v1.PushResponse(\x01\x12G\n\x08PushPull\x12\x1a.gradps.v1.PushPullRequest\x1a\x1b.gradps.v1.PushPullResponse(\x01\x30\x01\x12I\n\nMapSegment\x12\x1c.gradps.v1.MapSegmentRequest\x1a\x1d.gradps.v1.MapSegmentResponse\x12I\n\nOpenStream\x12\x1c.gradps.v1.OpenStreamRequest\x1a\x1d.gradps.v1.OpenStreamResponse\x12\x43\n\x08GetStats\x12\x1a.gradps.v1.GetStatsRequest\x1a\x1b.gradps.v1.GetStatsResponse\x12S\n\x0cGroupAverage\x12\x1e.gradps.v1.GroupAverageRequest\x1a\x1f.gradps.v1.GroupAverageResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gradps/v1/shard.proto\x12\tgradps.v1\x1a\x13gradps/v1/run.proto\x1a\x16gradps/v1/tensor.proto\"Z\n\rPartPlacement\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\r\n\x05shard\x18\x05 \x01(\r\"}\n\tPlacement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06shards\x18\x02 \x03(\t\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.gradps.v1.TensorSpec\x12\'\n\x05parts\x18\x04 \x03(\x0b\x32\x18.gradps.v1.PartPlacement\"\xa6\x01\n\x0eOpenRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.gradps.v1.RunSpec\x12\'\n\tplacement\x18\x03 \x01(\x0b\x32\x14.gradps.v1.Placement\x12\x13\n\x0bshard_index\x18\x04 \x01(\r\x12\x0f\n\x07workers\x18\x05 \x03(\r\x12\x13\n\x0btotal_steps\x18\x06 \x01(\x04\"\x11\n\x0fOpenRunResponse\"!\n\x0f\x43loseRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x12\n\x10\x43loseRunResponse\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x10\n\x0e\x45ndRunResponse\"K\n\x14SetMembershipRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x14\n\x0clive_workers\x18\x03 \x03(\r\"\x17\n\x15SetMembershipResponse\"t\n\x16RegisterTensorsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x04part\x18\x02 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12\x11\n\toverwrite\x18\x03 \x01(\x08\x12\x12\n\npart_count\x18\x04 \x01(\r\".\n\x17RegisterTensorsResponse\x12\x13\n\x0binitialised\x18\x01 \x01(\r\"\x90\x02\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12%\n\x05\x63odec\x18\x06 \x01(\x0b\x32\x16.gradps.v1.CodecParams\x12\r\n\x05\x63lock\x18\x07 \x01(\x04\x12\x10\n\x08gradient\x18\x08 \x01(\x08\x12\x15\n\rgradient_step\x18\t \x01(\x04\x12%\n\x04into\x18\n \x01(\x0b\x32\x17.gradps.v1.SharedRegion\x12%\n\x06stream\x18\x0b \x01(\x0b\x32\x15.gradps.v1.StreamCallJ\x04\x08\x03\x10\x04R\x05parts\"Y\n\x0cPullResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x02 \x03(\x0b\x32\x15.gradps.v1.TensorPart\"\xc4\x01\n\x0bPushRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12#\n\x04part\x18\x04 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x05 \x03(\x0b\x32\x15.gradps.v1.TensorPart\x12%\n\x06stream\x18\x06 \x01(\x0b\x32\x15.gradps.v1.StreamCall\x12\x12\n\npart_count\x18\x07 \x01(\r\"\xee\x01\n\x0fPushPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12#\n\x04part\x18\x04 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x05 \x03(\x0b\x32\x15.gradps.v1.TensorPart\x12%\n\x06stream\x18\x06 \x01(\x0b\x32\x15.gradps.v1.StreamCall\x12$\n\x04pull\x18\x07 \x01(\x0b\x32\x16.gradps.v1.PullRequest\x12\x12\n\npart_count\x18\x08 \x01(\r\"\x84\x01\n\x10PushPullResponse\x12%\n\x04push\x18\x01 \x01(\x0b\x32\x17.gradps.v1.PushResponse\x12#\n\x04part\x18\x02 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x03 \x03(\x0b\x32\x15.gradps.v1.TensorPart\"A\n\x0cPushResponse\x12\r\n\x05parts\x18\x01 \x01(\r\x12\x11\n\tstaleness\x18\x02 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\"\x97\x02\n\x13GroupAverageRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\r\x12\x11\n\tis_global\x18\x05 \x01(\x08\x12#\n\x04part\x18\x06 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x07 \x03(\x0b\x32\x15.gradps.v1.TensorPart\x12%\n\x04into\x18\x08 \x01(\x0b\x32\x17.gradps.v1.SharedRegion\x12%\n\x06stream\x18\t \x01(\x0b\x32\x15.gradps.v1.StreamCall\x12\x12\n\npart_count\x18\n \x01(\r\"a\n\x14GroupAverageResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\x12$\n\x05parts\x18\x02 \x03(\x0b\x32\x15.gradps.v1.TensorPart\"\x86\x01\n\x11MapSegmentRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x0f\n\x07segment\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x0c\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\n\n\x02\x66\x64\x18\x06 \x01(\r\x12\x15\n\rpid_namespace\x18\x07 \x01(\x04\"\"\n\x12MapSegmentResponse\x12\x0c\n\x04size\x18\x01 \x01(\x04\"6\n\x11OpenStreamRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\"A\n\x12OpenStreamResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0e\n\x06stream\x18\x03 \x01(\x04\"*\n\nStreamCall\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x0c\n\x04\x63\x61ll\x18\x02 \x01(\x04\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x97\x01\n\x10GetStatsResponse\x12\r\n\x05parts\x18\x01 \x01(\r\x12\x13\n\x0bparam_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06pushes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_pushed\x18\x04 \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\x05 \x01(\x04\x12\x13\n\x0bmin_version\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t2\xf3\x06\n\x0cShardService\x12@\n\x07OpenRun\x12\x19.gradps.v1.OpenRunRequest\x1a\x1a.gradps.v1.OpenRunResponse\x12\x43\n\x08\x43loseRun\x12\x1a.gradps.v1.CloseRunRequest\x1a\x1b.gradps.v1.CloseRunResponse\x12=\n\x06\x45ndRun\x12\x18.gradps.v1.EndRunRequest\x1a\x19.gradps.v1.EndRunResponse\x12R\n\rSetMembership\x12\x1f.gradps.v1.SetMembershipRequest\x1a .gradps.v1.SetMembershipResponse\x12Z\n\x0fRegisterTensors\x12!.gradps.v1.RegisterTensorsRequest\x1a\".gradps.v1.RegisterTensorsResponse(\x01\x12\x39\n\x04Pull\x12\x16.gradps.v1.PullRequest\x1a\x17.gradps.v1.PullResponse0\x01\x12\x39\n\x04Push\x12\x16.gradps.v1.PushRequest\x1a\x17.gradps.v1.PushResponse(\x01\x12G\n\x08PushPull\x12\x1a.gradps.v1.PushPullRequest\x1a\x1b.gradps.v1.PushPullResponse(\x01\x30\x01\x12I\n\nMapSegment\x12\x1c.gradps.v1.MapSegmentRequest\x1a\x1d.gradps.v1.MapSegmentResponse\x12I\n\nOpenStream\x12\x1c.gradps.v1.OpenStreamRequest\x1a\x1d.gradps.v1.OpenStreamResponse\x12\x43\n\x08GetStats\x12\x1a.gradps.v1.GetStatsRequest\x1a\x1b.gradps.v1.GetStatsResponse\x12S\n\x0cGroupAverage\x12\x1e.gradps.v1.GroupAverageRequest\x1a\x1f.gradps.v1.GroupAverageResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,39 +54,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETMEMBERSHIPRESPONSE']._serialized_start=671
   _globals['_SETMEMBERSHIPRESPONSE']._serialized_end=694
   _globals['_REGISTERTENSORSREQUEST']._serialized_start=696
-  _globals['_REGISTERTENSORSREQUEST']._serialized_end=792
-  _globals['_REGISTERTENSORSRESPONSE']._serialized_start=794
-  _globals['_REGISTERTENSORSRESPONSE']._serialized_end=840
-  _globals['_PULLREQUEST']._serialized_start=843
-  _globals['_PULLREQUEST']._serialized_end=1115
-  _globals['_PULLRESPONSE']._serialized_start=1117
-  _globals['_PULLRESPONSE']._serialized_end=1206
-  _globals['_PUSHREQUEST']._serialized_start=1209
-  _globals['_PUSHREQUEST']._serialized_end=1385
-  _globals['_PUSHPULLREQUEST']._serialized_start=1388
-  _globals['_PUSHPULLREQUEST']._serialized_end=1606
-  _globals['_PUSHPULLRESPONSE']._serialized_start=1609
-  _globals['_PUSHPULLRESPONSE']._serialized_end=1741
-  _globals['_PUSHRESPONSE']._serialized_start=1743
-  _globals['_PUSHRESPONSE']._serialized_end=1808
-  _globals['_GROUPAVERAGEREQUEST']._serialized_start=1811
-  _globals['_GROUPAVERAGEREQUEST']._serialized_end=2070
-  _globals['_GROUPAVERAGERESPONSE']._serialized_start=2072
-  _globals['_GROUPAVERAGERESPONSE']._serialized_end=2169
-  _globals['_MAPSEGMENTREQUEST']._serialized_start=2171
-  _globals['_MAPSEGMENTREQUEST']._serialized_end=2257
-  _globals['_MAPSEGMENTRESPONSE']._serialized_start=2259
-  _globals['_MAPSEGMENTRESPONSE']._serialized_end=2293
-  _globals['_OPENSTREAMREQUEST']._serialized_start=2295
-  _globals['_OPENSTREAMREQUEST']._serialized_end=2349
-  _globals['_OPENSTREAMRESPONSE']._serialized_start=2351
-  _globals['_OPENSTREAMRESPONSE']._serialized_end=2416
-  _globals['_STREAMCALL']._serialized_start=2418
-  _globals['_STREAMCALL']._serialized_end=2460
-  _globals['_GETSTATSREQUEST']._serialized_start=2462
-  _globals['_GETSTATSREQUEST']._serialized_end=2495
-  _globals['_GETSTATSRESPONSE']._serialized_start=2498
-  _globals['_GETSTATSRESPONSE']._serialized_end=2649
-  _globals['_SHARDSERVICE']._serialized_start=2652
-  _globals['_SHARDSERVICE']._serialized_end=3535
+  _globals['_REGISTERTENSORSREQUEST']._serialized_end=812
+  _globals['_REGISTERTENSORSRESPONSE']._serialized_start=814
+  _globals['_REGISTERTENSORSRESPONSE']._serialized_end=860
+  _globals['_PULLREQUEST']._serialized_start=863
+  _globals['_PULLREQUEST']._serialized_end=1135
+  _globals['_PULLRESPONSE']._serialized_start=1137
+  _globals['_PULLRESPONSE']._serialized_end=1226
+  _globals['_PUSHREQUEST']._serialized_start=1229
+  _globals['_PUSHREQUEST']._serialized_end=1425
+  _globals['_PUSHPULLREQUEST']._serialized_start=1428
+  _globals['_PUSHPULLREQUEST']._serialized_end=1666
+  _globals['_PUSHPULLRESPONSE']._serialized_start=1669
+  _globals['_PUSHPULLRESPONSE']._serialized_end=1801
+  _globals['_PUSHRESPONSE']._serialized_start=1803
+  _globals['_PUSHRESPONSE']._serialized_end=1868
+  _globals['_GROUPAVERAGEREQUEST']._serialized_start=1871
+  _globals['_GROUPAVERAGEREQUEST']._serialized_end=2150
+  _globals['_GROUPAVERAGERESPONSE']._serialized_start=2152
+  _globals['_GROUPAVERAGERESPONSE']._serialized_end=2249
+  _globals['_MAPSEGMENTREQUEST']._serialized_start=2252
+  _globals['_MAPSEGMENTREQUEST']._serialized_end=2386
+  _globals['_MAPSEGMENTRESPONSE']._serialized_start=2388
+  _globals['_MAPSEGMENTRESPONSE']._serialized_end=2422
+  _globals['_OPENSTREAMREQUEST']._serialized_start=2424
+  _globals['_OPENSTREAMREQUEST']._serialized_end=2478
+  _globals['_OPENSTREAMRESPONSE']._serialized_start=2480
+  _globals['_OPENSTREAMRESPONSE']._serialized_end=2545
+  _globals['_STREAMCALL']._serialized_start=2547
+  _globals['_STREAMCALL']._serialized_end=2589
+  _globals['_GETSTATSREQUEST']._serialized_start=2591
+  _globals['_GETSTATSREQUEST']._serialized_end=2624
+  _globals['_GETSTATSRESPONSE']._serialized_start=2627
+  _globals['_GETSTATSRESPONSE']._serialized_end=2778
+  _globals['_SHARDSERVICE']._serialized_start=2781
+  _globals['_SHARDSERVICE']._serialized_end=3664
 # @@protoc_insertion_point(module_scope)

@@ -89,14 +89,16 @@ class SetMembershipResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterTensorsRequest(_message.Message):
-    __slots__ = ("run_id", "part", "overwrite")
+    __slots__ = ("run_id", "part", "overwrite", "part_count")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    PART_COUNT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     part: _tensor_pb2.TensorPart
     overwrite: bool
-    def __init__(self, run_id: _Optional[str] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+    part_count: int
+    def __init__(self, run_id: _Optional[str] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., overwrite: _Optional[bool] = ..., part_count: _Optional[int] = ...) -> None: ...
 
 class RegisterTensorsResponse(_message.Message):
     __slots__ = ("initialised",)
@@ -137,23 +139,25 @@ class PullResponse(_message.Message):
     def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream")
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "part_count")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    PART_COUNT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
     part: _tensor_pb2.TensorPart
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
     stream: StreamCall
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
+    part_count: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "pull")
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "pull", "part_count")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +165,7 @@ class PushPullRequest(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
+    PART_COUNT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -168,7 +173,8 @@ class PushPullRequest(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
     stream: StreamCall
     pull: PullRequest
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
+    part_count: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., part_count: _Optional[int] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
     __slots__ = ("push", "part", "parts")
@@ -191,7 +197,7 @@ class PushResponse(_message.Message):
     def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class GroupAverageRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into", "stream")
+    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into", "stream", "part_count")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +207,7 @@ class GroupAverageRequest(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     INTO_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    PART_COUNT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -210,7 +217,8 @@ class GroupAverageRequest(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
     into: _tensor_pb2.SharedRegion
     stream: StreamCall
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
+    part_count: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ...) -> None: ...
 
 class GroupAverageResponse(_message.Message):
     __slots__ = ("part", "parts")
@@ -221,16 +229,22 @@ class GroupAverageResponse(_message.Message):
     def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class MapSegmentRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "segment", "token")
+    __slots__ = ("run_id", "worker_id", "segment", "token", "pid", "fd", "pid_namespace")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     segment: str
     token: bytes
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., segment: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+    pid: int
+    fd: int
+    pid_namespace: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., segment: _Optional[str] = ..., token: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., pid_namespace: _Optional[int] = ...) -> None: ...
 
 class MapSegmentResponse(_message.Message):
     __slots__ = ("size",)

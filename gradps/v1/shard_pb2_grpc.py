@@ -138,7 +138,10 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterTensors(self, request_iterator, context):
-        """Worker -> shard: initial values of parts; idempotent.
+        """Worker -> shard: initial values of parts; idempotent. Applied as one unit once the call's
+        every part has arrived (RegisterTensorsRequest.part_count) and the client ended the call
+        normally; a call cut short (cancelled, past its deadline, or ended before its parts) sets
+        nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,7 +156,13 @@ class ShardServiceServicer:
 
     def Push(self, request_iterator, context):
         """Worker -> shard: one push = one gradient for some parts, validated whole before any of it
-        is applied (a bad part rejects the whole push and changes nothing).
+        is applied (a bad part rejects the whole push and changes nothing). Exactly once: a push is
+        applied only when every part it announces (PushRequest.part_count) has arrived and the client
+        ended the call normally (half-closed it, before its deadline, without cancelling). A call cut
+        short applies nothing: DATA_LOSS when it ended before its parts, CANCELLED or
+        DEADLINE_EXCEEDED when it went first. A push sent again after a failure whose outcome the
+        worker could not see is answered `applied = true` whether this call or an earlier one
+        applied it, and is applied once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -172,10 +181,12 @@ class ShardServiceServicer:
     def MapSegment(self, request, context):
         """Worker -> shard: map a shared-memory segment the worker created on this host, so that its
         pushes, pulls and group averages of this run can carry payloads in it (TensorPart.shared,
-        PullRequest.into, GroupAverageRequest.into) instead of through the socket.
-        FAILED_PRECONDITION when the shard cannot open it (another host or container): the worker
-        then sends payloads inline. The shard unmaps a worker's segments when the run closes or the
-        worker leaves it.
+        PullRequest.into, GroupAverageRequest.into) instead of through the socket. The segment is a
+        Linux memfd, mode 0600, sealed against shrinking (F_SEAL_SHRINK), that the shard opens
+        through the worker's descriptor (/proc/<pid>/fd/<fd>) while this call runs.
+        FAILED_PRECONDITION when the shard cannot open it (another host, PID namespace or user) or
+        it is not such a memfd: the worker then sends payloads inline. The shard unmaps a worker's
+        segments when the run closes or the worker leaves it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,7 +217,8 @@ class ShardServiceServicer:
         """Worker -> shard (wagma): deposit this worker's model parts for a group round and receive the
         round's average. The first arrival fixes the average from every member's latest deposit;
         a global round waits for every live member instead (at most 30 s, then it is fixed without
-        the late ones).
+        the late ones). A deposit counts only once all of it has arrived, as a push
+        (GroupAverageRequest.part_count); one sent again replaces the first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

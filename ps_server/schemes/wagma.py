@@ -52,6 +52,8 @@ class WagmaRule(ShardRule):
     ) -> tuple[dict[PartKey, torch.Tensor], int]:
         if worker_id not in self.run.live_workers:
             raise NotNow(f"worker {worker_id} is not a live member of the run")
+        if (step, members) not in self.rounds:  # a fixed round answers a late member whatever its step
+            self._check_kept(worker_id, step, deposit)
         mine = self.deposits.setdefault(worker_id, {})
         for key, values in deposit.items():
             history = [d for d in mine.get(key, []) if d[0] != step]
@@ -79,6 +81,18 @@ class WagmaRule(ShardRule):
             self.rounds[round_key] = result
             self._prune()
         return {key: result[key] for key in deposit}, self.frontier
+
+    def _check_kept(self, worker_id: int, step: int, deposit: dict[PartKey, torch.Tensor]) -> None:
+        """Refuse, before anything changes, a deposit older than the rounds this shard still keeps:
+        the worker's kept deposits are all newer, so its own would be dropped at once and the round
+        could average nothing. The message names the step to jump to (the frontier)."""
+        mine = self.deposits.get(worker_id, {})
+        for key in deposit:
+            if sum(s > step for s, _ in mine.get(key, [])) >= _KEEP_DEPOSITS:
+                raise NotNow(
+                    f"round at step {step} is gone: worker {worker_id} deposited {_KEEP_DEPOSITS} newer steps "
+                    f"since; jump to step {self.frontier} (the frontier)"
+                )
 
     def _deposit(self, worker: int, key: PartKey, step: int, exact: bool = False) -> torch.Tensor | None:
         """The worker's latest deposit of `key` made at or before `step` (exactly at, if `exact`)."""
