@@ -387,8 +387,18 @@ def compare(
     no_progress: bool,
     **o: Any,
 ) -> None:
-    """Run several schemes on the same cluster, data, seed and model; table, JSON, CSV and a plot."""
-    from client.compare import add_baseline_ratios, print_table, run_baseline, run_comparison, write_outputs
+    """Run several schemes on the same cluster, data, seed and model; table, JSON, CSV and a plot.
+
+    With --straggler (or --backup-workers B), sync runs twice: plain, and with backup workers
+    (B, or 1) as the row sync-backupB."""
+    from client.compare import (
+        add_baseline_ratios,
+        print_table,
+        run_baseline,
+        run_comparison,
+        with_backup_row,
+        write_outputs,
+    )
 
     names = [s.strip() for s in schemes.split(",") if s.strip()]
     hint = "'--schemes'"
@@ -400,12 +410,13 @@ def compare(
         raise click.BadParameter(f"a scheme is named twice in {schemes!r}: each writes {out}/<scheme>", param_hint=hint)
     if coordinator and local:
         raise click.UsageError("give --local or --coordinator HOST:PORT, not both")
-    specs = [build_spec(name, workers, **o) for name in names]
+    entries = with_backup_row([(name, build_spec(name, workers, **o)) for name in names], bool(o.get("straggler")))
     # --device is the embedded cluster's, and the baseline's: both run on this machine.
     device = device if coordinator and baseline == "none" else resolve_option(device)
     make_dir(out)
     # The baseline first: it is short, and a failure shows before the schemes' long runs.
-    reference = run_baseline(specs[0], device, target_accuracy, out, not no_progress) if baseline != "none" else None
+    first = entries[0][1]
+    reference = run_baseline(first, device, target_accuracy, out, not no_progress) if baseline != "none" else None
     if coordinator:
         with Client(coordinator) as client:
             shards = len(client.cluster().shards)
@@ -414,10 +425,10 @@ def compare(
         f", rank {straggler[0]} {straggler[1]:g}x slower" if straggler else ""
     )
     if coordinator:
-        rows = run_comparison(coordinator, specs, target_accuracy, out, show_progress=not no_progress)
+        rows = run_comparison(coordinator, entries, target_accuracy, out, show_progress=not no_progress)
     else:  # the default: an embedded cluster, the same one for every scheme
         with LocalCluster(shards, workers, heartbeat_timeout, out / "logs", device, transport) as cluster:
-            rows = run_comparison(cluster.address, specs, target_accuracy, out, show_progress=not no_progress)
+            rows = run_comparison(cluster.address, entries, target_accuracy, out, show_progress=not no_progress)
     if reference is not None:
         rows.append(reference)
         add_baseline_ratios(rows, reference)

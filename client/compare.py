@@ -52,15 +52,40 @@ def row_of(summary: dict[str, Any], target: float) -> dict[str, Any]:
     return row
 
 
+# A row's name and its run's spec; the name is the scheme's, or the variant's (e.g. "sync-backup1").
+Entry = tuple[str, run_pb2.RunSpec]
+
+
+def with_backup_row(entries: list[Entry], straggler: bool) -> list[Entry]:
+    """Plain sync, and beside it sync with backup workers: b from `--backup-workers`, or 1 under a
+    straggler, where it is the classic fix users reach for (Chen et al. 2016). Nothing to add
+    without sync, with one worker, or with neither a straggler nor b."""
+    out: list[Entry] = []
+    for name, spec in entries:
+        backup = spec.scheme_params.backup_workers or (1 if straggler else 0)
+        if name != "sync" or not backup or spec.workers <= backup:
+            out.append((name, spec))
+            continue
+        plain, backed = run_pb2.RunSpec(), run_pb2.RunSpec()
+        plain.CopyFrom(spec)
+        plain.scheme_params.backup_workers = 0
+        backed.CopyFrom(spec)
+        backed.scheme_params.backup_workers = backup
+        out += [(name, plain), (f"sync-backup{backup}", backed)]
+    return out
+
+
 def run_comparison(
-    address: str, specs: list[run_pb2.RunSpec], target: float, out_dir: Path, show_progress: bool = True
+    address: str, entries: list[Entry], target: float, out_dir: Path, show_progress: bool = True
 ) -> list[dict[str, Any]]:
-    """Run each spec in turn on the cluster at `address`; one row per scheme."""
+    """Run each entry in turn on the cluster at `address`; one row each, under its name."""
     rows = []
     with Client(address) as client:
-        for spec in specs:
+        for name, spec in entries:
             run_id = client.submit(spec)
-            rows.append(row_of(follow(client, run_id, out_dir / spec.scheme, show_progress=show_progress), target))
+            row = row_of(follow(client, run_id, out_dir / name, show_progress=show_progress), target)
+            row["scheme"] = name
+            rows.append(row)
     return rows
 
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from client.cli import cli
-from client.compare import COLUMNS, RATIO, row_of
+from client.compare import COLUMNS, RATIO, row_of, with_backup_row
 from client.ddp_baseline import BaselineFailed, run_ddp
 from client.sdk import run_spec
 from gradps.slowdown import Slowdown
@@ -51,16 +51,31 @@ def test_slowdown_slows_only_the_straggler_rank() -> None:
     assert Slowdown(spec, 0).factor == 1.0
 
 
+def test_compare_adds_sync_with_backup_workers_under_a_straggler_or_when_asked() -> None:
+    def entries(straggler: bool, backup: int = 0, workers: int = 4, schemes=("sync", "asgd")):
+        specs = [(s, run_spec(s, workers=workers, backup_workers=backup)) for s in schemes]
+        rows = with_backup_row(specs, straggler)
+        return [(name, spec.scheme_params.backup_workers if spec.scheme == "sync" else 0) for name, spec in rows]
+
+    assert entries(straggler=False) == [("sync", 0), ("asgd", 0)]
+    assert entries(straggler=True) == [("sync", 0), ("sync-backup1", 1), ("asgd", 0)]
+    assert entries(straggler=False, backup=2) == [("sync", 0), ("sync-backup2", 2), ("asgd", 0)]
+    assert entries(straggler=True, workers=1) == [("sync", 0), ("asgd", 0)]
+    assert entries(straggler=True, schemes=("asgd",)) == [("asgd", 0)]
+
+
 def test_compare_with_the_ddp_baseline_writes_both_rows_and_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     args = ["compare", "--baseline", "ddp", "--schemes", "sync", "--workers", "2", "--shards", "1"]
     args += ["--device", "cpu", "--steps", "60", "--eval-every", "20", "--target-accuracy", "0.5"]
+    args += ["--straggler", "1:1.5"]  # so sync runs with a backup worker too
     args += ["--no-progress", "--out", str(out)]
     result = CliRunner().invoke(cli, args, env={"GRADPS_COORDINATOR": None})
     assert result.exit_code == 0, result.output
     assert "vs" in result.output and "ddp" in result.output
     rows = {r["scheme"]: r for r in json.loads((out / "compare.json").read_text())["schemes"]}
-    assert set(rows) == {"sync", "ddp"}
+    assert set(rows) == {"sync", "sync-backup1", "ddp"}
+    assert rows["sync-backup1"]["state"] == "completed" and (out / "sync-backup1" / "summary.json").exists()
     sync, ddp = rows["sync"], rows["ddp"]
     assert ddp[RATIO] == 1.0 and sync[RATIO] is not None
     assert sync[RATIO] == round(sync["time_to_target_s"] / ddp["time_to_target_s"], 3)
@@ -74,5 +89,5 @@ def test_compare_with_the_ddp_baseline_writes_both_rows_and_the_ratio(tmp_path: 
         assert abs(point["test_accuracy"] - by_step[point["step"]]) <= 0.02, (point, sync["accuracy_curve"])
     with open(out / "compare.csv") as f:
         table = list(csv.DictReader(f))
-    assert RATIO in table[0] and [r["scheme"] for r in table] == ["sync", "ddp"]
+    assert RATIO in table[0] and [r["scheme"] for r in table] == ["sync", "sync-backup1", "ddp"]
     assert (out / "compare.png").stat().st_size > 0
