@@ -191,6 +191,10 @@ def train_rank(spec: run_pb2.RunSpec, rank: int, world: int, port: int, device: 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
     try:
         result = _train(spec, dataset, rank, world, where)
+        # Every rank leaves the group together: a rank that tore down its connections while rank 0
+        # still evaluated was aborted now and then by gloo ("terminate called without an active
+        # exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     result.update(rank=rank, entered_at=entered_at, finished_at=time.time())
