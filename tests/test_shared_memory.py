@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import gc
 import os
 import stat
 import subprocess
@@ -170,6 +171,7 @@ def _train(address: str, codec: str, transport: str, steps: int = 3) -> tuple[di
     spec = run_pb2.RunSpec(
         scheme="asgd", workers=1, steps=100, part_size=64 << 10, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1)
     )
+    gc.collect()  # an earlier test's segments, unreachable but not yet collected, close now, not below
     before = len(_own_descriptors())
     run_id, sessions, clients, placement = join_run(
         address, spec, tensors, codec=parse_codec(codec), transport=transport
