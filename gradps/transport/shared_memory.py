@@ -131,9 +131,11 @@ class SharedMemoryRoute(Route):
             stub.MapSegment(request, timeout=min(timeout_s, 10.0))
         except grpc.RpcError as e:
             _LOGGER.info("payloads inline (%s: %s)", e.code().name, e.details())
+            # The error's traceback holds this frame in a reference cycle: the segment's mapping
+            # and descriptor go now, not whenever the collector runs.
+            del segment
             return None
-        finally:
-            segment.release()  # both processes map it now (or only this one): it goes with the last
+        segment.release()  # both processes map it now: it goes with the last
         return cls(segment, length)
 
     @property
