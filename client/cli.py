@@ -19,6 +19,7 @@ from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
 from client.sdk import Client, run_spec
 from client.usage import FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
+from gradps.auth import ROLES, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, read_token_file
 from gradps.codecs import codec_syntax, parse_codec
 from gradps.device import device_option, resolve_option
 from gradps.parameter_client import TRANSPORTS
@@ -153,7 +154,19 @@ def _transport_option(fn: F, applies: str = "--local: ") -> F:
     )(fn)
 
 
+def _allow_import_option(fn: F) -> F:
+    return click.option(
+        "--allow-import",
+        envvar="GRADPS_ALLOW_IMPORT",
+        show_envvar=True,
+        multiple=True,
+        help="--local: a package or module whose models and datasets runs may import (repeatable); "
+        "default: only the built-in ones.",
+    )(fn)
+
+
 def _cluster_options(fn: F) -> F:
+    fn = _allow_import_option(fn)
     fn = _transport_option(fn)
     fn = device_option("--local: where shards and workers compute (auto: CUDA when present).", resolve=False)(fn)
     fn = click.option("--heartbeat-timeout", default=5.0, type=FiniteFloat(min=0.1), help="--local: seconds.")(fn)
@@ -189,6 +202,7 @@ def train(
     heartbeat_timeout: float,
     device: str,
     transport: str,
+    allow_import: tuple[str, ...],
     scheme: str,
     workers: int,
     out: Path | None,
@@ -204,7 +218,9 @@ def train(
     make_dir(out or Path("runs"))  # before a run is submitted that could not write its results
     if local:
         log_dir = Path("runs") / "local-logs" if out is None else out / "logs"
-        with LocalCluster(shards, workers, heartbeat_timeout, log_dir, device, transport) as cluster:
+        with LocalCluster(
+            shards, workers, heartbeat_timeout, log_dir, device, transport, allow_import=allow_import
+        ) as cluster:
             summary = _train_on(cluster.address, spec, out, no_progress)
     else:
         assert coordinator is not None  # exactly one of --local and --coordinator, checked above
@@ -236,21 +252,71 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
 @click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1))
 @device_option("Where shards and workers compute (auto: CUDA when present).")
 @functools.partial(_transport_option, applies="")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=lambda: _default_state_dir(),
+    show_default="$XDG_STATE_HOME/gradps/up, else ~/.local/state/gradps/up",
+    help="Where the coordinator keeps runs: the next `gradps up` with the same folder lists them again.",
+)
+@_allow_import_option
 @one_line_errors
-def up(shards: int, workers: int, heartbeat_timeout: float, device: str, transport: str) -> None:
-    """Run a local cluster in the foreground until Ctrl-C."""
+def up(
+    shards: int,
+    workers: int,
+    heartbeat_timeout: float,
+    device: str,
+    transport: str,
+    state_dir: Path,
+    allow_import: tuple[str, ...],
+) -> None:
+    """Run a local cluster in the foreground until Ctrl-C; its admin token is in a file (0600) that
+    lives as long as the cluster."""
     log_dir = Path("runs") / "local-logs"
-    with LocalCluster(shards, workers, heartbeat_timeout, log_dir, device, transport) as cluster:
+    with LocalCluster(
+        shards, workers, heartbeat_timeout, log_dir, device, transport, state_dir, allow_import=allow_import
+    ) as cluster:
         click.echo(
             f"coordinator at {cluster.address}; {_count(shards, 'shard')}, {_count(workers, 'worker')} on {device}. "
             "Ctrl-C stops."
         )
+        click.echo(f"  runs are kept in {state_dir}")
         click.echo(f"  gradps train --coordinator {cluster.address}")
+        if cluster.token_file:  # this user's commands find it by address; others need the file
+            click.echo(f"  admin token (0600): {cluster.token_file}")
         try:
             while True:
                 time.sleep(1)
         except KeyboardInterrupt:
             click.echo("stopping")
+
+
+def _default_state_dir() -> Path:
+    """The user's own state folder (XDG), so runs are remembered whatever the current directory."""
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "gradps" / "up"
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("role", type=click.Choice(ROLES))
+@click.option(
+    "--secret-file",
+    envvar=SECRET_FILE_ENV,
+    show_envvar=True,
+    default=None,
+    help=f"File holding the cluster secret (else {SECRET_ENV}).",
+)
+@one_line_errors
+def token(role: str, secret_file: str | None) -> None:
+    """Print the token of ROLE (admin for the CLI and SDK, worker for gradps-worker, shard) that the
+    cluster secret derives; services holding the secret check it (docs: README, Security)."""
+    try:
+        text = os.environ.get(SECRET_ENV) or (read_token_file(secret_file) if secret_file else "")
+        if not text:
+            raise click.UsageError(f"give the cluster secret: {SECRET_ENV} or --secret-file")
+        click.echo(ClusterSecret(text).token(role))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _coordinator_option(fn: F) -> F:
@@ -379,6 +445,7 @@ def compare(
     heartbeat_timeout: float,
     device: str,
     transport: str,
+    allow_import: tuple[str, ...],
     schemes: str,
     workers: int,
     target_accuracy: float,
@@ -427,7 +494,9 @@ def compare(
     if coordinator:
         rows = run_comparison(coordinator, entries, target_accuracy, out, show_progress=not no_progress)
     else:  # the default: an embedded cluster, the same one for every scheme
-        with LocalCluster(shards, workers, heartbeat_timeout, out / "logs", device, transport) as cluster:
+        with LocalCluster(
+            shards, workers, heartbeat_timeout, out / "logs", device, transport, allow_import=allow_import
+        ) as cluster:
             rows = run_comparison(cluster.address, entries, target_accuracy, out, show_progress=not no_progress)
     if reference is not None:
         rows.append(reference)

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from client.sdk import Client, GradpsError
+from gradps.auth import (
+    ADMIN,
+    WORKER,
+    ClusterSecret,
+    forget,
+    read_token_file,
+    remember,
+    store_token,
+    unstore_token,
+    write_private_file,
+)
 
 # Each shard and worker is a process with its own torch (~300 MiB): a typo such as --workers 4000
 # must not fork the machine to a halt.
@@ -28,7 +41,14 @@ class LocalCluster:
         log_dir: str | os.PathLike | None = None,
         device: str = "cpu",
         transport: str = "shm",
+        state_dir: str | os.PathLike | None = None,
+        metrics: bool = False,
+        allow_import: Sequence[str] = (),
+        secure: bool = True,
     ) -> None:
+        """`state_dir`: where the coordinator keeps its runs (a later cluster with the same one takes
+        them back); None: in memory. `metrics`: every process serves Prometheus metrics on a free
+        loopback port (`metrics_targets`)."""
         if shards < 1 or workers < 0:
             raise GradpsError("a local cluster needs at least 1 shard")
         if shards + workers > MAX_PROCESSES:
@@ -42,7 +62,28 @@ class LocalCluster:
         self.device = device
         # Where the workers' payloads travel (gradps-worker --transport).
         self.transport = transport
+        self.state_dir = Path(state_dir) if state_dir else None
+        self.metrics = metrics
+        # Each process's metrics port file, by process name.
+        self._metrics_ports: dict[str, tuple[Path, subprocess.Popen]] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="gradps-")
+        # Import paths runs may name (the coordinator's and the workers' --allow-import).
+        self.allow_import = tuple(allow_import)
+        # Secure by default: a secret of its own in a folder only this user reads (mkdtemp: 0700),
+        # files 0600; the shards and the coordinator check with it, the workers join with the worker
+        # token, and this process's channels to the cluster send the admin token (`remember`).
+        self.token: str | None = None
+        self.token_file: Path | None = None
+        self._auth_files: dict[str, Path] = {}
+        if secure:
+            secret = secrets.token_urlsafe(32)
+            tokens = {"secret": secret, ADMIN: ClusterSecret(secret).token(ADMIN)}
+            tokens[WORKER] = ClusterSecret(secret).token(WORKER)
+            for name, text in tokens.items():
+                self._auth_files[name] = Path(self._tmp.name) / f"{name}.token"
+                write_private_file(self._auth_files[name], text)
+            self.token, self.token_file = tokens[ADMIN], self._auth_files[ADMIN]
+        self._remembered: list[str] = []
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.coordinator: subprocess.Popen | None = None
@@ -55,32 +96,72 @@ class LocalCluster:
         # One compute thread per process: a small cluster shares few cores.
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("GRADPS_LOG_LEVEL", "WARNING")
+        # The coordinator keeps runs only where this cluster says (--state-dir): never in the
+        # folder of one the user runs elsewhere, which it would lock.
+        env.pop("GRADPS_STATE_DIR", None)
+        # Its own secret and tokens, bind and allow-list: never the user's for another cluster.
+        for key in (
+            "GRADPS_SECRET",
+            "GRADPS_SECRET_FILE",
+            "GRADPS_TOKEN",
+            "GRADPS_TOKEN_FILE",
+            "GRADPS_INSECURE",
+            "GRADPS_BIND",
+            "GRADPS_ALLOW_IMPORT",
+        ):
+            env.pop(key, None)
+        # Likewise metrics: one fixed port set for a single service would collide here.
+        for key in ("GRADPS_METRICS_PORT", "GRADPS_METRICS_HOST", "GRADPS_METRICS_PORT_FILE"):
+            env.pop(key, None)
+        port_file = Path(self._tmp.name) / f"{name}.metrics-port"
+        if self.metrics:
+            args = (*args, "--metrics-port=0", "--metrics-host=127.0.0.1", f"--metrics-port-file={port_file}")
         log = open(self.log_dir / f"{name}.log", "ab")
-        return subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        if self.metrics:
+            self._metrics_ports[name] = (port_file, process)
+        return process
+
+    def metrics_targets(self) -> dict[str, str]:
+        """Every process's metrics endpoint ("127.0.0.1:PORT"), by name ("coordinator", "shard-0",
+        "worker-1"), once each has written its port; empty unless the cluster serves metrics."""
+        return {name: f"127.0.0.1:{self._port(path, process)}" for name, (path, process) in self._metrics_ports.items()}
 
     def _port(self, path: Path, process: subprocess.Popen, timeout_s: float = 60.0) -> int:
         deadline = time.monotonic() + timeout_s
         while not path.exists():
             if process.poll() is not None:
-                raise GradpsError(f"a local service exited at start-up; see {self.log_dir}")
+                raise GradpsError(f"a local service exited at start-up{self._last_error(process)}; see {self.log_dir}")
             if time.monotonic() > deadline:
                 raise GradpsError(f"a local service did not start in {timeout_s:.0f}s; see {self.log_dir}")
             time.sleep(0.05)
         return int(path.read_text())
 
+    def _last_error(self, process: subprocess.Popen) -> str:
+        """A service's one-line refusal (`Error: ...`, click's), when it gave one."""
+        name = "coordinator" if process is self.coordinator else ""
+        path = self.log_dir / f"{name}.log"
+        lines = path.read_text(errors="replace").splitlines() if name and path.exists() else []
+        return f" ({lines[-1]})" if lines and lines[-1].startswith("Error: ") else ""
+
     def start(self) -> LocalCluster:
         """Start every process and wait until all shards and workers joined."""
         port_file = Path(self._tmp.name) / "coordinator.port"
+        state = [f"--state-dir={self.state_dir}"] if self.state_dir else []
         self.coordinator = self._spawn(
             "coordinator",
             "ps_server.coordinator",
             "--port=0",
             f"--port-file={port_file}",
             f"--heartbeat-timeout={self.heartbeat_timeout_s}",
+            *state,
+            *self._secret_args(),
+            *(f"--allow-import={prefix}" for prefix in self.allow_import),
         )
         self.address = f"127.0.0.1:{self._port(port_file, self.coordinator)}"
+        self._remember(self.address)
         for i in range(self.n_shards):
             self.add_shard(i)
         for i in range(self.n_workers):
@@ -100,10 +181,32 @@ class LocalCluster:
             f"--coordinator={self.address}",
             "--advertise-host=127.0.0.1",
             f"--device={self.device}",
+            *self._secret_args(),
         )
         self.shards.append(p)
-        self._port(port_file, p)  # registered once the port file exists
+        port = self._port(port_file, p)  # registered once the port file exists
+        self._remember(f"127.0.0.1:{port}")
         return p
+
+    def role_token(self, role: str) -> str | None:
+        """The token of `role` (admin, shard, worker) for this cluster; None when it runs without one."""
+        if not self._auth_files:
+            return None
+        return ClusterSecret(read_token_file(self._auth_files["secret"])).token(role)
+
+    def _secret_args(self) -> list[str]:
+        return [f"--secret-file={self._auth_files['secret']}"] if self._auth_files else []
+
+    def _remember(self, address: str) -> None:
+        """This process's channels to `address` (SDK, CLI, tests) send the admin token, and so do
+        this user's other commands (the token store) while the cluster runs."""
+        if self.token:
+            remember(address, self.token)
+            self._remembered.append(address)
+            try:
+                store_token(address, self.token)
+            except OSError:  # a read-only home: other commands then need GRADPS_TOKEN_FILE
+                pass
 
     def add_worker(self, i: int) -> subprocess.Popen:
         p = self._spawn(
@@ -113,6 +216,8 @@ class LocalCluster:
             f"--name=local-worker-{i}",
             f"--device={self.device}",
             f"--transport={self.transport}",
+            *([f"--token-file={self._auth_files[WORKER]}"] if self._auth_files else []),
+            *(f"--allow-import={prefix}" for prefix in self.allow_import),
         )
         self.workers.append(p)
         return p
@@ -131,6 +236,10 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 codes.append(p.wait())
+        for address in self._remembered:
+            forget(address)
+            unstore_token(address)
+        self._remembered.clear()
         self._tmp.cleanup()
         return codes
 

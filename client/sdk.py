@@ -67,16 +67,19 @@ def _describe(e: grpc.RpcError, address: str) -> GradpsError:
         return GradpsError(f"no coordinator reachable at {address}")
     if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a shard's port, or another gRPC server
         return GradpsError(f"{address} is not a gradps coordinator ({e.details()})")
+    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return GradpsError(f"UNAUTHENTICATED: {e.details()}; give an admin token (GRADPS_TOKEN or GRADPS_TOKEN_FILE)")
     return GradpsError(f"{e.code().name}: {e.details()}")
 
 
 class Client:
     """Talks to one coordinator."""
 
-    def __init__(self, coordinator: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, coordinator: str, timeout_s: float = 30.0, token: str | None = None) -> None:
+        """`token`: an admin token (default: `gradps.auth.client_token`'s: GRADPS_TOKEN, ...)."""
         self.address = coordinator
         self.timeout_s = timeout_s
-        self._channel = open_channel(coordinator)
+        self._channel = open_channel(coordinator, token)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
     def close(self) -> None:

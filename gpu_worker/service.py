@@ -12,7 +12,8 @@ import grpc
 import torch
 
 from gpu_worker.trainer import Trainer
-from gradps.channel import coordinator_option, log_level_option
+from gradps.auth import allow_import_option, option_token, token_options
+from gradps.channel import coordinator_option, log_level_option, metrics_options, serve_metrics
 from gradps.datasets import ShardSampler, load_dataset
 from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
@@ -32,12 +33,14 @@ def train(
     device: torch.device,
     stop: threading.Event,
     transport: str = "shm",
+    allow_import: tuple[str, ...] = (),
 ) -> None:
-    """Train one assigned run to the end (or until it is stopped, or the service shuts down)."""
+    """Train one assigned run to the end (or until it is stopped, or the service shuts down).
+    A model or dataset import path outside `allow_import` fails the run: nothing is imported."""
     spec = assignment.spec
-    dataset = load_dataset(spec.dataset, spec.dataset_size, spec.seed)
+    dataset = load_dataset(spec.dataset, spec.dataset_size, spec.seed, allow_import=allow_import)
     torch.manual_seed(spec.seed)  # every replica starts from the same weights
-    model = build_model(spec.model, dataset).to(device)
+    model = build_model(spec.model, dataset, allow_import=allow_import).to(device)
     steps = total_steps(assignment.spec, assignment.world, len(dataset.train_x))
     sampler = ShardSampler(len(dataset.train_x), assignment.rank, assignment.world, spec.batch_size, spec.seed)
     trainer = Trainer(
@@ -78,10 +81,16 @@ def train(
 
 
 def serve(
-    coordinator: str, device: torch.device, name: str | None, stop: threading.Event, transport: str = "shm"
+    coordinator: str,
+    device: torch.device,
+    name: str | None,
+    stop: threading.Event,
+    transport: str = "shm",
+    allow_import: tuple[str, ...] = (),
+    token: str | None = None,
 ) -> None:
-    """Join and train assignments until `stop` is set."""
-    session = WorkerSession(coordinator, name=name, device=str(device), stop=stop)
+    """Join (with `token`, default GRADPS_TOKEN's) and train assignments until `stop` is set."""
+    session = WorkerSession(coordinator, name=name, device=str(device), stop=stop, token=token)
     lost = False
     try:
         while not stop.is_set():
@@ -102,7 +111,7 @@ def serve(
                 continue
             _LOGGER.info("run %s: rank %d of %d", assignment.run_id, assignment.rank, assignment.world)
             try:
-                train(session, assignment, device, stop, transport)
+                train(session, assignment, device, stop, transport, allow_import)
             except Exception as e:  # a broken model or dataset fails the run, not the service
                 _LOGGER.exception("run %s failed", assignment.run_id)
                 try:
@@ -143,16 +152,33 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
     help="Where payloads travel: shm (shared memory with shards on this host, a data stream to others), "
     "stream (a data stream to every shard: raw TCP beside gRPC), grpc (in the gRPC messages).",
 )
+@allow_import_option
+@token_options
+@metrics_options
 @log_level_option
-def main(coordinator: str, device: str, name: str | None, threads: int, transport: str, log_level: str) -> None:
+def main(
+    coordinator: str,
+    device: str,
+    name: str | None,
+    threads: int,
+    transport: str,
+    allow_import: tuple[str, ...],
+    token: str | None,
+    token_file: str | None,
+    metrics_port: int,
+    metrics_host: str,
+    metrics_port_file: str | None,
+    log_level: str,
+) -> None:
     """gradps worker: joins the coordinator and trains the runs assigned to it."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+    serve_metrics(metrics_port, metrics_host, metrics_port_file)  # what its Trainer records
     torch.set_num_threads(threads)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve(coordinator, torch.device(device), name, stop, transport)
+        serve(coordinator, torch.device(device), name, stop, transport, allow_import, option_token(token, token_file))
     except ConnectionError as e:
         raise click.ClickException(str(e)) from None
 

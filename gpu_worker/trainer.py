@@ -21,6 +21,7 @@ import torch
 
 from gpu_worker.schemes import WORKER_SCHEMES
 from gpu_worker.schemes.base import Replica
+from gradps import metrics
 from gradps.parameter_client import ParameterClient, tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
@@ -79,6 +80,9 @@ class Trainer:
         # Seconds the training loop spent blocked in the scheme's exchanges with the shards.
         self._wait_s = 0.0
         self._started = 0.0
+        # Prometheus series of this process (served where the service serves /metrics).
+        self._series = metrics.WorkerSeries(self.spec.scheme, self.spec.codec, self.spec.pull_codec, transport)
+        self._step_began = 0.0
 
     def start(self) -> None:
         """Upload this replica's initial weights (first upload wins) and take the global ones."""
@@ -87,7 +91,8 @@ class Trainer:
             self.client.register(self.params)
         began = time.perf_counter()
         self.scheme.start()
-        self._wait_s += time.perf_counter() - began
+        self._step_began = time.perf_counter()
+        self._wait_s += self._step_began - began
 
     def step(self, loss: float, samples: int) -> None:
         """Exchange with the shards after one backward pass, then clear the gradients."""
@@ -97,7 +102,11 @@ class Trainer:
         with torch.no_grad():
             began = time.perf_counter()
             self.steps_done = min(self.scheme.after_backward(before), self.total_steps)
-            self._wait_s += time.perf_counter() - began
+            now = time.perf_counter()
+            self._wait_s += now - began
+        self._series.step(self.steps_done - before, samples, now - self._step_began, now - began)
+        self._series.traffic(self.client.traffic.bytes_pushed, self.client.traffic.bytes_pulled)
+        self._step_began = now
         for p in self.params.values():
             p.grad = None
         self.samples += samples
@@ -140,6 +149,7 @@ class Trainer:
 
     def _metrics(self) -> cpb.Metrics:
         t = self.client.traffic
+        self._series.traffic(t.bytes_pushed, t.bytes_pulled)  # Prometheus agrees with each report
         return cpb.Metrics(
             rank=self.assignment.rank,
             step=self.steps_done,

@@ -16,13 +16,18 @@ import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gradps.auth import AuthInterceptor, ClusterSecret, TokenSource, client_token, with_token
 from gradps.errors import StatusInterceptor
+from gradps.metrics import ServerMetricsInterceptor, serving_metrics, start_endpoint
 
 # Parts are at most the run's part size (default 4 MiB, capped at MAX_PART_BYTES), plus a little
 # framing; the limit is explicit so that a misconfigured run fails with RESOURCE_EXHAUSTED rather
 # than at gRPC's silent 4 MiB default.
 MAX_PART_BYTES = 64 * 1024 * 1024
 MAX_MESSAGE_BYTES = MAX_PART_BYTES + 1024 * 1024
+# Services listen on loopback unless told otherwise (--bind): reachable from the network only
+# on purpose, and then with a cluster secret (gradps.auth).
+DEFAULT_BIND = "127.0.0.1"
 
 _OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -68,18 +73,28 @@ def tune_allocator() -> bool:
     return _allocator_tuned
 
 
-def open_channel(address: str) -> grpc.Channel:
-    """A channel to `address` ("host:port") with gradps's message limits."""
+def open_channel(address: str, token: TokenSource = None) -> grpc.Channel:
+    """A channel to `address` ("host:port") with gradps's message limits, sending `token` (a
+    string, or a function asked per call) as `authorization: Bearer` with every call; without one,
+    `gradps.auth.client_token` finds it (GRADPS_TOKEN, GRADPS_TOKEN_FILE, ...)."""
     tune_allocator()
-    return grpc.insecure_channel(address, options=_OPTIONS)
+    channel = grpc.insecure_channel(address, options=_OPTIONS)
+    return with_token(channel, token if token is not None else client_token(address))
 
 
-def make_server(max_workers: int = 32) -> grpc.Server:
+def make_server(max_workers: int = 32, secret: ClusterSecret | None = None) -> grpc.Server:
     """A threaded gRPC server with gradps's message limits, whose handlers refuse a request by
-    raising a `gradps.errors.GradpsError` (StatusInterceptor); health is added by `add_health`."""
+    raising a `gradps.errors.GradpsError` (StatusInterceptor); health is added by `add_health`.
+    In a process that serves metrics (`serve_metrics` first), every call is counted for
+    Prometheus (gradps.metrics), outermost so that its code is the one the client sees. With
+    `secret`, every call but health checks needs a token of a role that may make it
+    (gradps.auth.AuthInterceptor); without, every call is accepted."""
     tune_allocator()
     executor = futures.ThreadPoolExecutor(max_workers=max_workers)
-    return grpc.server(executor, options=_OPTIONS, interceptors=(StatusInterceptor(),))
+    auth = (AuthInterceptor(secret),) if secret is not None else ()
+    counted = (ServerMetricsInterceptor(),) if serving_metrics() else ()
+    interceptors = (*counted, *auth, StatusInterceptor())
+    return grpc.server(executor, options=_OPTIONS, interceptors=interceptors)
 
 
 def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
@@ -91,10 +106,11 @@ def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthSe
     return servicer
 
 
-def bind(server: grpc.Server, port: int) -> int:
-    """Bind `[::]:port` (0 picks a free port) and return the bound port; OSError if it cannot."""
+def bind(server: grpc.Server, port: int, host: str = DEFAULT_BIND) -> int:
+    """Bind `host:port` (0 picks a free port) and return the bound port; OSError if it cannot."""
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 address
     try:
-        bound = server.add_insecure_port(f"[::]:{port}")
+        bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpcio >= 1.5x raises where older versions returned 0
         bound = 0
     if bound == 0:
@@ -120,8 +136,21 @@ def port_option(default: int) -> Callable:
         show_envvar=True,
         default=default,
         type=click.IntRange(0, 65535),
-        help="Port to bind on [::] (0: any free).",
+        help="Port to bind (0: any free).",
     )
+
+
+def bind_option(fn: Callable) -> Callable:
+    """A service's `--bind` (GRADPS_BIND, the parameter `bind_address`): where its gRPC port listens."""
+    return click.option(
+        "--bind",
+        "bind_address",
+        envvar="GRADPS_BIND",
+        show_envvar=True,
+        default=DEFAULT_BIND,
+        help="Address to listen on: 127.0.0.1 serves this machine only; [::] or 0.0.0.0 every interface "
+        "(which needs a cluster secret, or --insecure).",
+    )(fn)
 
 
 def coordinator_option(fn: Callable) -> Callable:
@@ -159,6 +188,54 @@ def log_level_option(fn: Callable) -> Callable:
         default="INFO",
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     )(fn)
+
+
+def metrics_options(fn: Callable) -> Callable:
+    """A service's Prometheus endpoint: `--metrics-port` (GRADPS_METRICS_PORT), `--metrics-host`
+    (GRADPS_METRICS_HOST) and `--metrics-port-file` (GRADPS_METRICS_PORT_FILE). Off by default
+    (many services share one host in a local cluster, and a fixed port would collide), and on
+    loopback unless told otherwise, like the gRPC port."""
+    options = (
+        click.option(
+            "--metrics-port",
+            envvar="GRADPS_METRICS_PORT",
+            show_envvar=True,
+            default=-1,
+            type=click.IntRange(-1, 65535),
+            help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: any free port, -1: off).",
+        ),
+        click.option(
+            "--metrics-host",
+            envvar="GRADPS_METRICS_HOST",
+            show_envvar=True,
+            default=DEFAULT_BIND,
+            help="Address the metrics endpoint listens on: 127.0.0.1 serves this machine only, :: every interface.",
+        ),
+        click.option(
+            "--metrics-port-file",
+            envvar="GRADPS_METRICS_PORT_FILE",
+            show_envvar=True,
+            default=None,
+            callback=_port_file,
+            help="Write the metrics endpoint's bound port here.",
+        ),
+    )
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def serve_metrics(port: int, host: str, port_file: str | None) -> int | None:
+    """Start the metrics endpoint the options above name (None when off); its bound port is
+    written to `port_file`. A click usage error when the port cannot be bound."""
+    if port < 0:
+        return None
+    try:
+        bound = start_endpoint(port, host)
+    except OSError as e:
+        raise click.UsageError(f"--metrics-port {port} on {host}: {e.strerror or e}") from None
+    write_port_file(port_file, bound)
+    return bound
 
 
 def wait_for_call(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +74,7 @@ def builtin_dataset_names() -> list[str]:
     return list(_BUILTIN_NAMES)
 
 
-def load_dataset(name: str, size: int = 0, seed: int = 0) -> Dataset:
+def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collection[str] | None = None) -> Dataset:
     """Load a built-in dataset by name, or a user dataset by `"package.module:function"`.
 
     Built-ins: `digits` (scikit-learn's bundled 8x8 digits, a fixed stratified 80/20 split; `size`
@@ -82,12 +82,16 @@ def load_dataset(name: str, size: int = 0, seed: int = 0) -> Dataset:
     (causal LM sequences). For the synthetic ones `size` > 0 sets the number of training samples
     (test samples: max(64, size // 4)) and `seed` determines every tensor. A user function is
     called as `function(size, seed)` and must return a `Dataset`.
+
+    `allow_import`: the import paths that may be imported (`check_import_allowed`); None: any,
+    for a caller whose own code names the dataset. ImportRefused for one that is not allowed.
     """
     if size < 0:
         raise ValueError(f"size must be >= 0 (0 means the dataset's default), got {size}")
     if name in _BUILTIN_NAMES:
         return _load_builtin(name, size, seed)
     if ":" in name:
+        check_import_allowed(name, allow_import)
         try:
             factory = resolve_import_path(name)
         except ValueError as err:
@@ -101,6 +105,31 @@ def load_dataset(name: str, size: int = 0, seed: int = 0) -> Dataset:
     raise ValueError(
         f"unknown dataset {name!r}: expected one of {', '.join(_BUILTIN_NAMES)} or 'package.module:function'"
     )
+
+
+class ImportRefused(ValueError):
+    """An import path that the operator's allow-list (--allow-import) does not name."""
+
+
+def import_allowed(path: str, allow_import: Collection[str]) -> bool:
+    """Whether `path` ("package.module:function") lies under one of the `allow_import` prefixes:
+    a package or module ("mypkg" allows "mypkg:f" and "mypkg.models:f"), or one exact path."""
+    module = path.partition(":")[0]
+    for prefix in allow_import:
+        prefix = prefix.strip().rstrip(".")
+        if prefix and (path == prefix or module == prefix or module.startswith(prefix + ".")):
+            return True
+    return False
+
+
+def check_import_allowed(path: str, allow_import: Collection[str] | None) -> None:
+    """ImportRefused (one line) unless `path` is allowed; None allows every path. Nothing is
+    imported to decide: a path a caller sends runs no code of theirs until it is allowed."""
+    if allow_import is not None and not import_allowed(path, allow_import):
+        allowed = ", ".join(allow_import) or "none (built-ins only)"
+        raise ImportRefused(
+            f"import path {path[:200]!r} is not allowed here: allowed prefixes {allowed} (--allow-import)"
+        )
 
 
 def resolve_import_path(path: str) -> Callable[..., object]:

@@ -49,6 +49,12 @@ class Ended(NotNow):
     """The run ended or was closed: no more pushes, pulls or rounds."""
 
 
+class PermissionDenied(GradpsError):
+    """The caller may not ask for this (an import path the operator did not allow)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class TooLarge(GradpsError):
     """A size or count beyond a limit, or memory that cannot be allocated."""
 
@@ -143,6 +149,7 @@ __all__ = [
     "NotFound",
     "NotNow",
     "OutOfRange",
+    "PermissionDenied",
     "StatusInterceptor",
     "TimedOut",
     "TooLarge",

@@ -12,12 +12,12 @@ Weights are drawn from torch's global generator: a caller that sets `torch.manua
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
 
-from gradps.datasets import Dataset, resolve_import_path
+from gradps.datasets import Dataset, check_import_allowed, resolve_import_path
 
 
 class MLP(nn.Module):
@@ -204,16 +204,18 @@ def model_names() -> list[str]:
     return list(_BUILDERS)
 
 
-def build_model(name: str, dataset: Dataset) -> nn.Module:
+def build_model(name: str, dataset: Dataset, allow_import: Collection[str] | None = None) -> nn.Module:
     """Build a built-in model by name, or a user model by `"package.module:function"`, for `dataset`.
 
     A user function is called with the Dataset and must return a `torch.nn.Module`. Set
     `torch.manual_seed` before calling to get the same initial weights in every process.
+    `allow_import`: as `gradps.datasets.load_dataset`'s.
     """
     builder = _BUILDERS.get(name)
     if builder is not None:
         return builder(dataset)
     if ":" in name:
+        check_import_allowed(name, allow_import)
         try:
             factory = resolve_import_path(name)
         except ValueError as err:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gradps.auth import WORKER_TOKEN_KEY, client_token, forget, remember
 from gradps.channel import open_channel
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2
@@ -44,15 +45,27 @@ class WorkerSession:
         device: str = "cpu",
         join_timeout_s: float = 60.0,
         stop: threading.Event | None = None,
+        token: str | None = None,
     ):
         """Join now, retrying for up to `join_timeout_s` while the coordinator starts; setting
-        `stop` (the service's SIGTERM) gives up at once. ConnectionError if it never answers."""
+        `stop` (the service's SIGTERM) gives up at once. ConnectionError if it never answers.
+
+        `token`: the one JoinWorker takes (default: `gradps.auth.client_token`'s). When the
+        coordinator answers with this worker's own token, every later call to it and to the
+        run's shards carries that one (gradps/auth.py)."""
         self.coordinator = coordinator
         self._stop_join = stop or threading.Event()
         self.name = name or socket.gethostname()
         self.device = device
-        self._channel = open_channel(coordinator)
+        join_token = token or client_token(coordinator)
+        # Joins go with the token given; the rest with the worker's own once it has one.
+        self._join_channel = open_channel(coordinator, join_token)
+        self._join_stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._join_channel)
+        self._own_token: str | None = None
+        self._token = join_token
+        self._channel = open_channel(coordinator, lambda: self._own_token or self._token)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._remembered: set[str] = set()
         self._run_id = ""
         self._stop_run = threading.Event()
         self._closed = threading.Event()
@@ -65,10 +78,17 @@ class WorkerSession:
         warned = False
         while True:
             try:
-                r = self._stub.JoinWorker(cpb.JoinWorkerRequest(name=self.name, device=self.device), timeout=5)
+                r, call = self._join_stub.JoinWorker.with_call(
+                    cpb.JoinWorkerRequest(name=self.name, device=self.device), timeout=5
+                )
+                own = dict(call.trailing_metadata() or ()).get(WORKER_TOKEN_KEY)
+                self._own_token = str(own) if own else None
                 _LOGGER.info("joined %s as worker %d", self.coordinator, r.worker_id)
                 return r.worker_id, r.heartbeat_interval_ms
             except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    # No retry mends a token: say so now.
+                    raise ConnectionError(f"coordinator {self.coordinator} refused to join: {e.details()}") from None
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"cannot reach coordinator at {self.coordinator}: {e.details()}") from None
                 if not warned:  # say why nothing happens yet
@@ -98,6 +118,9 @@ class WorkerSession:
     def close(self) -> None:
         self._closed.set()
         self._channel.close()
+        self._join_channel.close()
+        for address in self._remembered:
+            forget(address)
 
     @property
     def stopping(self) -> bool:
@@ -120,6 +143,10 @@ class WorkerSession:
         r = self._stub.GetPlacement(
             cpb.GetPlacementRequest(run_id=run_id, tensors=tensors, total_steps=total_steps), timeout=60
         )
+        if self._own_token:  # the shards admit this worker's calls with its own token only
+            for address in r.placement.shards:
+                remember(address, self._own_token)
+                self._remembered.add(address)
         return r.placement
 
     def report(self, run_id: str, metrics: cpb.Metrics) -> None:

@@ -11,25 +11,30 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import click
 import grpc
 from google.protobuf.message import Message
 
-from gradps import wire
+from gradps import metrics, wire
+from gradps.auth import ADMIN, allow_import_option, issue_worker_token, secret_options, server_secret, set_process_token
 from gradps.channel import (
     add_health,
     bind,
+    bind_option,
     log_level_option,
     make_server,
+    metrics_options,
     open_channel,
     port_file_option,
     port_option,
+    serve_metrics,
     serve_until_signal,
     wait_for_call,
     write_port_file,
 )
-from gradps.errors import Ended, Invalid, NotFound, NotNow, TooLarge, Unavailable
+from gradps.errors import Ended, Invalid, NotFound, NotNow, PermissionDenied, TooLarge, Unavailable
 from gradps.placement import place
 from gradps.run_spec import validate, with_defaults
 from gradps.v1 import coordinator_pb2 as cpb
@@ -44,6 +49,7 @@ from ps_server.coordinator_limits import (
     check_spec,
     shown,
 )
+from ps_server.run_store import RunStore, StoreError
 
 _LOGGER = logging.getLogger("gradps.coordinator")
 _ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
@@ -66,6 +72,19 @@ _DEFAULT_ASSIGNMENT_WAIT_S = 10.0
 _MAX_ASSIGNMENT_WAIT_S = 60.0
 # ... which wakes this often to notice a caller that went away (cancelled, or past its deadline).
 _WAIT_SLICE_S = 0.5
+# Worker ids are reserved in the store this many at a time, so that a restarted coordinator never
+# hands out an id that a worker of the previous one still heartbeats with (it is told to rejoin).
+_WORKER_ID_BLOCK = 1024
+_WORKER_IDS_RESERVED = "worker_ids_reserved"
+# A restarted coordinator waits this many heartbeat timeouts for the workers of a run that was
+# running (they train on against the shards, and heartbeat with their ids once it answers: gRPC's
+# reconnect backoff may take a few seconds); one silent for longer is declared dead as usual.
+_REJOIN_GRACE_TIMEOUTS = 5
+# Why such a run fails when none of them came back.
+RESTARTED_MESSAGE = (
+    "coordinator restarted while the run was running, and none of its workers came back; "
+    "resume it when checkpoints exist"
+)
 
 
 @dataclass
@@ -76,6 +95,8 @@ class WorkerRecord:
     last_seen: float
     alive: bool = True
     run_id: str = ""
+    # Taken back with its run after a restart (until it leaves the run).
+    restored: bool = False
 
 
 @dataclass
@@ -101,6 +122,10 @@ class RunRecord:
     # What a pending run waits for, in one word: a watcher hears when it changes, not when the
     # counts in `status.pending_reason` do.
     waiting_for: str = ""
+    # Taken back from the store at start-up: `events` are read from it when first watched.
+    history_stored: bool = False
+    # Was running when the coordinator restarted, and no worker has reported since.
+    awaiting_workers: bool = False
 
     @property
     def ended(self) -> bool:
@@ -114,11 +139,19 @@ class RunRecord:
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """All state sits behind one condition variable; RPCs to shards are made outside it."""
 
-    def __init__(self, heartbeat_timeout_s: float = 5.0, keep_runs: int = DEFAULT_KEEP_RUNS) -> None:
+    # Import paths ("package.module:function") that runs may name as model or dataset
+    # (--allow-import); others are refused at submit, before any worker sees them.
+    allow_import: tuple[str, ...] = ()
+
+    def __init__(
+        self, heartbeat_timeout_s: float = 5.0, keep_runs: int = DEFAULT_KEEP_RUNS, store: RunStore | None = None
+    ) -> None:
         """`heartbeat_timeout_s`: silence after which a worker or a shard is declared dead;
-        `keep_runs`: ended runs kept (the oldest beyond are deleted)."""
+        `keep_runs`: ended runs kept (the oldest beyond are deleted); `store`: where runs are kept
+        (their runs are taken back now; StoreError when they cannot be read), None: in memory."""
         if keep_runs < 1:
             raise ValueError(f"keep_runs must be at least 1, got {keep_runs}")
+        self._store = store or RunStore.open(None)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.keep_runs = keep_runs
         self._cond = threading.Condition()
@@ -133,13 +166,27 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._runs: dict[str, RunRecord] = {}
         # Pending runs, oldest first: the scheduler's queue.
         self._pending: dict[str, RunRecord] = {}
-        self._next_worker_id = 0
+        self._next_worker_id = self._worker_ids_reserved = self._store.counter(_WORKER_IDS_RESERVED)
+        with self._cond:
+            self._restore()
         self._stopped = threading.Event()
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeats", daemon=True)
         self._monitor.start()
 
     def close(self) -> None:
         self._stopped.set()
+        with self._cond:
+            self._store.close()
+
+    def census(self) -> metrics.Census:
+        """Live workers and shards, and the runs kept by state: the coordinator's gauges."""
+        with self._cond:
+            runs: dict[str, int] = {}
+            for record in self._runs.values():
+                state = _state_name(record)
+                runs[state] = runs.get(state, 0) + 1
+            live_shards = sum(s.alive for s in self._shards.values())
+            return metrics.Census(live_workers=len(self._workers), live_shards=live_shards, runs=runs)
 
     @property
     def _forget_after_s(self) -> float:
@@ -155,6 +202,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             _check_model_and_dataset(spec)
         except ValueError as e:
             raise Invalid(str(e)) from None
+        _check_imports_allowed(spec, self.allow_import)
         run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
         status = cpb.RunStatus(run_id=run_id, spec=spec, state=cpb.RUN_STATE_PENDING, submitted_at=time.time())
         with self._cond:
@@ -199,6 +247,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def WatchRun(self, request: cpb.WatchRunRequest, context: grpc.ServicerContext) -> Iterator[cpb.WatchRunResponse]:
         with self._cond:
             record = self._record(request.run_id)
+            if record.history_stored:  # a restored run: its events from before the restart, and since
+                record.events = self._store.history(record.run_id, record.status.spec)
+                record.history_stored = False
         sent = 0
 
         def news() -> bool:
@@ -275,12 +326,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         with self._cond:
             if len(self._workers) >= MAX_LIVE_WORKERS:
                 raise TooLarge(f"the coordinator holds {MAX_LIVE_WORKERS} live workers, its most; try again later")
-            worker_id = self._next_worker_id
-            self._next_worker_id += 1
+            worker_id = self._new_worker_id()
             self._workers[worker_id] = WorkerRecord(worker_id, request.name, request.device, time.monotonic())
             self._idle.add(worker_id)
             self._schedule()
         _LOGGER.info("worker %d joined (%s, %s)", worker_id, request.name, request.device)
+        issue_worker_token(context, worker_id)  # its own token, where it joined with the plain one
         interval_ms = max(50, int(self.heartbeat_timeout_s * 1000 / 5))
         return cpb.JoinWorkerResponse(worker_id=worker_id, heartbeat_interval_ms=interval_ms)
 
@@ -303,6 +354,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 return cpb.GetAssignmentResponse()
             if request.worker_id not in self._workers:
                 raise NotFound(f"unknown worker {request.worker_id}; join first")
+            if self._workers[request.worker_id].restored:  # it gave up its run while we were down
+                self._leave_restored_run(self._workers[request.worker_id])
 
             def assigned() -> bool:
                 w = self._workers.get(request.worker_id)
@@ -346,6 +399,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     record.placement = placement
                     record.opened_on_shards = True
                     record.status.total_steps = request.total_steps
+                    self._store.save_placement(record.run_id, placement, opened_on_shards=True)
                     if record.run_id not in self._runs:  # deleted while the shards opened it
                         self._delete(record)
                     elif record.ended:  # stopped meanwhile: free what waits on the shards
@@ -368,6 +422,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 # Declared dead (missed heartbeats) but still running: the run went on without it.
                 return cpb.ReportMetricsResponse(stop=True)
             record.latest[m.worker_id] = m
+            if record.awaiting_workers:
+                record.awaiting_workers = False
+                _LOGGER.info("run %s goes on after the restart: worker %d reported", record.run_id, m.worker_id)
             if m.total_steps:
                 record.status.total_steps = m.total_steps
             if m.error:
@@ -396,8 +453,71 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return status
 
     def _event(self, record: RunRecord, metrics: cpb.Metrics | None = None) -> None:
-        record.events.append(cpb.WatchRunResponse(run=self._snapshot(record), metrics=metrics))
+        """Every change a watcher hears of, and the one place the run's status is saved."""
+        event = cpb.WatchRunResponse(run=self._snapshot(record), metrics=metrics)
+        record.events.append(event)
+        self._store.save_event(event, record.epoch)
         self._cond.notify_all()
+
+    def _new_worker_id(self) -> int:
+        if self._next_worker_id >= self._worker_ids_reserved:
+            self._worker_ids_reserved = self._next_worker_id + _WORKER_ID_BLOCK
+            self._store.set_counter(_WORKER_IDS_RESERVED, self._worker_ids_reserved)
+        self._next_worker_id += 1
+        return self._next_worker_id - 1
+
+    def _restore(self) -> None:
+        """Take back the runs the store holds: ended and pending ones as they were, running ones with
+        their workers (`_resume`)."""
+        stored_runs = self._store.runs()
+        restored = [
+            RunRecord(
+                status=stored.status,
+                placement=stored.placement,
+                epoch=stored.epoch,
+                latest=stored.latest,
+                opened_on_shards=stored.opened_on_shards,
+                history_stored=True,
+            )
+            for stored in stored_runs
+        ]
+        for record in restored:
+            self._runs[record.run_id] = record
+            if record.status.state == cpb.RUN_STATE_PENDING:
+                self._pending[record.run_id] = record
+        for record, stored in zip(restored, stored_runs, strict=True):
+            if record.status.state == cpb.RUN_STATE_RUNNING:
+                self._resume(record, stored.workers)
+        self._retain()
+        self._schedule()
+        if restored:
+            _LOGGER.info("%d runs taken back from %s", len(restored), self._store.where)
+
+    def _resume(self, record: RunRecord, names: dict[int, tuple[str, str]]) -> None:
+        """A run that was running goes on: its workers that had not finished (they train on against
+        the shards) are live members again, with their ids, and have `_REJOIN_GRACE_TIMEOUTS`
+        heartbeat timeouts to heartbeat; the monitor drops one that does not, as a dead worker, and a
+        run left without any that reported since fails with RESTARTED_MESSAGE. `names`: the name
+        and device of each worker, by id."""
+        record.live = set(record.status.workers) - set(record.status.dead_workers)
+        record.done = {w for w, m in record.latest.items() if m.done and w in record.live}
+        record.awaiting_workers = True
+        # A last_seen in the future: the monitor's `now - last_seen > timeout` waits out the grace.
+        until = time.monotonic() + (_REJOIN_GRACE_TIMEOUTS - 1) * self.heartbeat_timeout_s
+        for worker_id in sorted(record.live - record.done):
+            name, device = names.get(worker_id, ("", ""))
+            self._workers[worker_id] = WorkerRecord(worker_id, name, device, until, run_id=record.run_id, restored=True)
+        self._maybe_complete(record)  # every live worker had reported done
+        _LOGGER.info("run %s was running: waiting for workers %s", record.run_id, sorted(record.live - record.done))
+
+    def _leave_restored_run(self, worker: WorkerRecord) -> None:
+        """A worker of a run taken back at start-up asks for work: it abandoned that run (a call of
+        it failed while the coordinator was down), which goes on without it."""
+        record = self._runs.get(worker.run_id)
+        _LOGGER.warning("worker %d left run %s during the restart", worker.worker_id, worker.run_id)
+        self._release(worker.worker_id, worker.run_id)
+        if record is not None and record.status.state == cpb.RUN_STATE_RUNNING:
+            self._drop_member(record, worker.worker_id)
 
     def _running(self) -> int:
         return sum(r.status.state == cpb.RUN_STATE_RUNNING for r in self._runs.values())
@@ -472,6 +592,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         record.status.state = cpb.RUN_STATE_RUNNING
         record.status.started_at = time.time()
         record.status.pending_reason = ""
+        self._store.save_workers(record.run_id, [(w, self._workers[w].name, self._workers[w].device) for w in chosen])
         self._event(record)
         _LOGGER.info("run %s started on workers %s", record.run_id, chosen)
 
@@ -480,6 +601,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         worker = self._workers.get(worker_id)
         if worker is not None and worker.run_id == run_id:
             worker.run_id = ""
+            worker.restored = False
             self._idle.add(worker_id)
 
     def _maybe_complete(self, record: RunRecord) -> None:
@@ -491,7 +613,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if record.done:
                 self._end(record, cpb.RUN_STATE_COMPLETED, "finished by the surviving workers")
             else:
-                self._end(record, cpb.RUN_STATE_FAILED, "every worker died")
+                message = RESTARTED_MESSAGE if record.awaiting_workers else "every worker died"
+                self._end(record, cpb.RUN_STATE_FAILED, message)
 
     def _end(self, record: RunRecord, state: cpb.RunState, message: str, metrics: cpb.Metrics | None = None) -> None:
         record.status.state = state
@@ -520,6 +643,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def _delete(self, record: RunRecord) -> None:
         self._runs.pop(record.run_id, None)
+        self._store.delete_run(record.run_id)
         if record.opened_on_shards:  # the shards free its parameters
             record.opened_on_shards = False
             self._to_shards(record, "CloseRun", shard_pb2.CloseRunRequest(run_id=record.run_id))
@@ -553,6 +677,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         ended = [r for r in self._runs.values() if r.ended and r.placement is not None and r.opened_on_shards]
         for record in ended[:-_KEEP_ENDED_RUNS] if len(ended) > _KEEP_ENDED_RUNS else []:
             record.opened_on_shards = False
+            self._store.save_placement(record.run_id, record.placement, opened_on_shards=False)
             self._to_shards(record, "CloseRun", shard_pb2.CloseRunRequest(run_id=record.run_id))
 
     def _to_shards(self, record: RunRecord, method: str, request: Message) -> None:
@@ -652,8 +777,23 @@ def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
         )
 
 
+def _check_imports_allowed(spec: run_pb2.RunSpec, allow_import: tuple[str, ...]) -> None:
+    """Refuse a model or dataset import path the operator did not allow (the workers check again)."""
+    from gradps.datasets import ImportRefused, check_import_allowed
+
+    for name in (spec.model, spec.dataset):
+        if ":" in name:
+            try:
+                check_import_allowed(name, allow_import)
+            except ImportRefused as e:
+                raise PermissionDenied(str(e)) from None
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @port_option(50051)
+@bind_option
+@secret_options
+@allow_import_option
 @click.option(
     "--heartbeat-timeout",
     envvar="GRADPS_HEARTBEAT_TIMEOUT",
@@ -671,17 +811,51 @@ def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
     type=click.IntRange(min=1),
     help="Ended runs to keep (status and metrics); older ones are deleted.",
 )
+@click.option(
+    "--state-dir",
+    envvar="GRADPS_STATE_DIR",
+    show_envvar=True,
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Keep runs, their metrics and placements here (SQLite), for a restarted coordinator to take back; "
+    "created if missing. Unset: in memory, forgotten on exit.",
+)
 @port_file_option
+@metrics_options
 @log_level_option
-def main(port: int, heartbeat_timeout: float, keep_runs: int, port_file: str | None, log_level: str) -> None:
+def main(
+    port: int,
+    bind_address: str,
+    secret_file: str | None,
+    secret: str | None,
+    insecure: bool,
+    allow_import: tuple[str, ...],
+    heartbeat_timeout: float,
+    keep_runs: int,
+    state_dir: Path | None,
+    port_file: str | None,
+    metrics_port: int,
+    metrics_host: str,
+    metrics_port_file: str | None,
+    log_level: str,
+) -> None:
     """gradps coordinator: runs, worker membership, placement table and metrics."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s coordinator %(levelname)s %(message)s")
-    server = make_server(max_workers=64)
-    servicer = CoordinatorServicer(heartbeat_timeout, keep_runs)
+    cluster_secret = server_secret(secret, secret_file, bind_address, insecure)
+    set_process_token(cluster_secret.token(ADMIN) if cluster_secret else None)  # its calls to the shards
+    try:  # before the port is bound: a coordinator that cannot keep its runs does not start
+        store = RunStore.open(state_dir)
+        servicer = CoordinatorServicer(heartbeat_timeout, keep_runs, store)
+    except StoreError as e:
+        raise click.ClickException(f"--state-dir {state_dir}: {e}") from None
+    metrics.watch_coordinator(servicer.census)
+    serve_metrics(metrics_port, metrics_host, metrics_port_file)
+    servicer.allow_import = allow_import
+    server = make_server(max_workers=64, secret=cluster_secret)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     add_health(server, ["gradps.v1.CoordinatorService"])
     try:
-        bound = bind(server, port)
+        bound = bind(server, port, bind_address)
     except OSError as e:
         raise click.UsageError(f"--port {port}: {e}") from None
     server.start()

@@ -21,16 +21,20 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
-from gradps import wire
+from gradps import metrics, wire
+from gradps.auth import SHARD, secret_options, server_secret, set_process_token
 from gradps.channel import (
     add_health,
     bind,
+    bind_option,
     coordinator_option,
     log_level_option,
     make_server,
+    metrics_options,
     open_channel,
     port_file_option,
     port_option,
+    serve_metrics,
     serve_until_signal,
     write_port_file,
 )
@@ -40,7 +44,7 @@ from gradps.device import device_option
 from gradps.errors import AlreadyExists, Ended, Invalid, NotFound, NotNow, TimedOut, TooLarge, one_line
 from gradps.placement import PartKey
 from gradps.shared_memory import Segment, SegmentError, check_name
-from gradps.transport import INLINE_IN, Outbound, frame, unframe
+from gradps.transport import INLINE_IN, Item, Outbound, frame, unframe
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.call_routes import MAX_CLAIM_S, sending
 from ps_server.pulled import codec_name, fixed_payload, part_meta, pulled_parts
@@ -192,11 +196,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         yield from _answer(run, rule, request, route, shard_pb2.PullResponse(), context)
 
     def Push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> shard_pb2.PushResponse:
+        began = time.perf_counter()
         with ExitStack() as claims:
             got = receive(self._push, request_iterator, claims, context)
-        return _apply(got, context)
+        return _apply(got, context, began)
 
     def PushPull(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        began = time.perf_counter()
         with ExitStack() as claims:
             got = receive(self._push_pull, request_iterator, claims, context)
         run, rule = got.found
@@ -204,12 +210,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         pull.CopyFrom(got.header.pull)
         pull.run_id, pull.worker_id = run.run_id, got.header.worker_id
         route = _pull_route(run, rule, pull, context)  # checked before the push changes anything
-        header = shard_pb2.PushPullResponse(push=_apply(got, context))
+        header = shard_pb2.PushPullResponse(push=_apply(got, context, began))
         yield from _answer(run, rule, pull, route, header, context)
 
     def GroupAverage(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         # The deposit is read whole (from the stream too, holding its receive direction) before
         # the round; the average is sent after it (holding the send direction).
+        began = time.perf_counter()
         with ExitStack() as claims:
             got = receive(self._deposit, request_iterator, claims, context)
         run, rule = got.found
@@ -237,6 +244,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         items = [(part_meta(run.parts[key], _NONE, frontier), avg) for key, avg in averages.items()]
         with route as out:
             yield from frame(shard_pb2.GroupAverageResponse(), items, out)
+        metrics.SHARD_ROUND_SECONDS.labels(run.spec.scheme).observe(time.perf_counter() - began)
 
     def MapSegment(
         self, request: shard_pb2.MapSegmentRequest, context: grpc.ServicerContext
@@ -333,6 +341,7 @@ def _answer(
     context: grpc.ServicerContext,
 ) -> Iterator[bytes]:
     """A pull's answer, once the rule says its parts are ready: messages repeating `header`."""
+    began = time.perf_counter()
     parts = list(run.parts.values())
     wait_s = min(request.wait_ms / 1000, MAX_CLAIM_S) if request.wait_ms else _DEFAULT_WAIT_S
     waiting = f"parts not ready (version {request.min_version}, clock {request.clock})"
@@ -345,13 +354,38 @@ def _answer(
         chosen = [(p, fixed_payload(p, rule.pull_values(p, request), request.codec)) for p in parts]
         rule.on_pull(request.worker_id, parts)
     items = pulled_parts(run, chosen, request.codec, request.HasField("into"), context)
-    with route as out:
-        yield from frame(header, items, out, guard=run.cond)
+    pulled = [0]
+    try:
+        with route as out:
+            yield from frame(header, _tallied(items, pulled), out, guard=run.cond)
+    finally:  # what went before a cancel counts too, as in GetStats
+        metrics.SHARD_PULLED_BYTES.labels(_pull_transport(request), metrics.codec_label(request.codec)).inc(pulled[0])
+    metrics.SHARD_PULL_SECONDS.labels(run.spec.scheme).observe(time.perf_counter() - began)
 
 
-def _apply(got: Received, context: grpc.ServicerContext) -> shard_pb2.PushResponse:
+def _tallied(items: Iterator[Item], pulled: list[int]) -> Iterator[Item]:
+    """`items` as they pass, their payload bytes added to pulled[0] (as pulled_parts counts them)."""
+    for meta, payload in items:
+        pulled[0] += 4 * meta.count if isinstance(payload, torch.Tensor) else len(payload)  # type: ignore[arg-type]
+        yield meta, payload
+
+
+def _pull_transport(request: shard_pb2.PullRequest) -> str:
+    """Where a pull's payloads go, as its request names it (gradps.transport.TRANSPORTS)."""
+    return "shm" if request.HasField("into") else "stream" if request.HasField("stream") else "grpc"
+
+
+def _push_transport(run: RunState, header: shard_pb2.PushRequest) -> str:
+    """Where a push's payloads came from: its data stream, else the worker's shared segments
+    when it mapped any in the run (a route that broke goes inline, rarely), else the messages."""
+    if header.HasField("stream"):
+        return "stream"
+    return "shm" if any(worker == header.worker_id for worker, _ in run.segments) else "grpc"
+
+
+def _apply(got: Received, context: grpc.ServicerContext, began: float) -> shard_pb2.PushResponse:
     """Apply a push read whole, as one unit under the run's lock, once per (worker, step): one
-    made again after an applied one is answered as that one was."""
+    made again after an applied one is answered as that one was. `began`: when its call did."""
     run, rule = got.found
     worker_id, step = got.header.worker_id, got.header.step
     with run.cond:
@@ -364,6 +398,11 @@ def _apply(got: Received, context: grpc.ServicerContext) -> shard_pb2.PushRespon
         check_alive(context, "push")  # its client gave up: it will make the push again
         staleness = rule.push(Push(worker_id, step, got.values, got.versions))
         run.record_push(worker_id, step, got.nbytes, staleness)
+        transport = _push_transport(run, got.header)
+    scheme = run.spec.scheme
+    metrics.SHARD_PUSH_SECONDS.labels(scheme).observe(time.perf_counter() - began)
+    metrics.SHARD_STALENESS.labels(scheme).observe(staleness)
+    metrics.SHARD_PUSHED_BYTES.labels(transport, metrics.codec_label(run.spec.codec)).inc(got.nbytes)
     return shard_pb2.PushResponse(parts=len(got.values), staleness=staleness, applied=True)
 
 
@@ -477,6 +516,8 @@ def heartbeat_coordinator(
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @port_option(50052)
+@bind_option
+@secret_options
 @click.option(
     "--data-port",
     envvar="GRADPS_DATA_PORT",
@@ -495,28 +536,40 @@ def heartbeat_coordinator(
 )
 @device_option("Where parts live and updates run (auto: CUDA when present).", envvar="GRADPS_DEVICE")
 @port_file_option
+@metrics_options
 @log_level_option
 def main(
     port: int,
+    bind_address: str,
+    secret_file: str | None,
+    secret: str | None,
+    insecure: bool,
     data_port: int,
     coordinator: str,
     advertise_host: str,
     device: str,
     port_file: str | None,
+    metrics_port: int,
+    metrics_host: str,
+    metrics_port_file: str | None,
     log_level: str,
 ) -> None:
     """gradps shard: holds parts of the parameters and applies the run's update rule."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s shard %(levelname)s %(message)s")
+    cluster_secret = server_secret(secret, secret_file, bind_address, insecure)
+    if cluster_secret is not None:  # its calls to the coordinator (else GRADPS_TOKEN's)
+        set_process_token(cluster_secret.token(SHARD))
+    serve_metrics(metrics_port, metrics_host, metrics_port_file)
     torch_device = torch.device(device)
     try:
         listener = StreamListener(data_port) if data_port >= 0 else None
     except OSError as e:
         raise click.UsageError(f"--data-port {data_port}: {e.strerror or e}") from None
-    server = make_server()
+    server = make_server(secret=cluster_secret)
     add_shard_servicer(ShardServicer(torch_device, listener), server)
     add_health(server, ["gradps.v1.ShardService"])
     try:
-        bound = bind(server, port)
+        bound = bind(server, port, bind_address)
     except OSError as e:
         raise click.UsageError(f"--port {port}: {e}") from None
     server.start()

@@ -358,6 +358,8 @@ class LocalCluster:
             env["GRADPS_PORT"] = str(self.ports[name]) if name in self.ports else "0"
         if "GRADPS_DATA_PORT" in env:  # every container has its own address; here they share one
             env["GRADPS_DATA_PORT"] = "0"
+        if "GRADPS_STATE_DIR" in env:  # the container's volume: a folder of this test's, not the host's
+            env["GRADPS_STATE_DIR"] = str(self.logs / f"{name}-state")
         return env
 
     def logs_tail(self, lines: int = 25) -> str:

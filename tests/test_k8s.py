@@ -561,6 +561,8 @@ class Network:
         for key, value in pod.env.items():
             if key in ("GRADPS_PORT", "GRADPS_DATA_PORT"):
                 env[key] = str(self.local[pod.name, int(value)])
+            elif key in ("GRADPS_METRICS_PORT", "GRADPS_METRICS_HOST"):  # any free port, on loopback
+                env[key] = "0" if key.endswith("PORT") else _LOCALHOST
             elif re.fullmatch(r"[\w.-]+:\d+", value) and self.resolve(value.rsplit(":", 1)[0]):
                 host, port = value.rsplit(":", 1)
                 env[key] = self.dial(host, int(port))
@@ -583,7 +585,10 @@ class LocalPods:
     def environ(self, pod: Pod) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPS_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        return env | self.network.local_env(pod)
+        env |= self.network.local_env(pod)
+        if "GRADPS_STATE_DIR" in env:  # the pod's volume: a folder of this test's, not the host's
+            env["GRADPS_STATE_DIR"] = str(self.logs / f"{pod.name}-state")
+        return env
 
     def start(self) -> None:
         for pod in self.network.pods:

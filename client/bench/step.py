@@ -85,10 +85,13 @@ class StepBreakdown:
 
 
 def _spawn_worker(
-    index: int, coordinator: str, warmup: int, device: str, transport: str, out: Path
+    index: int, coordinator: str, warmup: int, device: str, transport: str, out: Path, token: str | None = None
 ) -> subprocess.Popen:
-    """One bench worker as its own process (gpu_worker.step_bench), so the client imports no worker code."""
+    """One bench worker as its own process (gpu_worker.step_bench), so the client imports no worker
+    code; it joins with `token` (the cluster's worker token) where given."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if token:
+        env["GRADPS_TOKEN"] = token
     args = [f"--coordinator={coordinator}", f"--index={index}", f"--warmup={warmup}", f"--device={device}"]
     args += [f"--transport={transport}", f"--out={out}"]
     return subprocess.Popen([sys.executable, "-m", "gpu_worker.step_bench", *args], env=env)
@@ -144,7 +147,10 @@ def measure_step(
     )
     with LocalCluster(shards=shards, workers=0, device=device) as cluster, tempfile.TemporaryDirectory() as tmp:
         outs = [Path(tmp) / f"worker-{i}.json" for i in range(workers)]
-        processes = [_spawn_worker(i, cluster.address, warmup, device, transport, outs[i]) for i in range(workers)]
+        token = cluster.role_token("worker")
+        processes = [
+            _spawn_worker(i, cluster.address, warmup, device, transport, outs[i], token) for i in range(workers)
+        ]
         try:
             with Client(cluster.address) as client:
                 client.wait_for_cluster(shards, workers)
