@@ -19,7 +19,8 @@ from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
 from client.sdk import Client, run_spec
 from client.usage import FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
-from gradps.auth import ROLES, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, read_token_file
+from gradps.auth.client_tokens import read_token_file
+from gradps.auth.tokens import ROLES, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
 from gradps.codecs import codec_syntax, parse_codec
 from gradps.device import device_option, resolve_option
 from gradps.parameter_client import TRANSPORTS

@@ -13,17 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from client.sdk import Client, GradpsError
-from gradps.auth import (
-    ADMIN,
-    WORKER,
-    ClusterSecret,
-    forget,
-    read_token_file,
-    remember,
-    store_token,
-    unstore_token,
-    write_private_file,
-)
+from gradps.auth.client_tokens import forget, read_token_file, remember, store_token, unstore_token, write_private_file
+from gradps.auth.tokens import ADMIN, WORKER, ClusterSecret
 
 # Each shard and worker is a process with its own torch (~300 MiB): a typo such as --workers 4000
 # must not fork the machine to a halt.

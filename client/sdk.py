@@ -76,7 +76,7 @@ class Client:
     """Talks to one coordinator."""
 
     def __init__(self, coordinator: str, timeout_s: float = 30.0, token: str | None = None) -> None:
-        """`token`: an admin token (default: `gradps.auth.client_token`'s: GRADPS_TOKEN, ...)."""
+        """`token`: an admin token (default: `gradps.auth.client_tokens.client_token`'s: GRADPS_TOKEN, ...)."""
         self.address = coordinator
         self.timeout_s = timeout_s
         self._channel = open_channel(coordinator, token)

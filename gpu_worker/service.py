@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from gpu_worker.trainer import Trainer
-from gradps.auth import allow_import_option, option_token, token_options
+from gradps.auth.options import allow_import_option, option_token, token_options
 from gradps.channel import coordinator_option, log_level_option, metrics_options, serve_metrics
 from gradps.datasets import ShardSampler, load_dataset
 from gradps.device import device_option

@@ -16,7 +16,9 @@ import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gradps.auth import AuthInterceptor, ClusterSecret, TokenSource, client_token, with_token
+from gradps.auth.access import AuthInterceptor
+from gradps.auth.client_tokens import TokenSource, client_token, with_token
+from gradps.auth.tokens import ClusterSecret
 from gradps.errors import StatusInterceptor
 from gradps.metrics import ServerMetricsInterceptor, serving_metrics, start_endpoint
 
@@ -76,7 +78,7 @@ def tune_allocator() -> bool:
 def open_channel(address: str, token: TokenSource = None) -> grpc.Channel:
     """A channel to `address` ("host:port") with gradps's message limits, sending `token` (a
     string, or a function asked per call) as `authorization: Bearer` with every call; without one,
-    `gradps.auth.client_token` finds it (GRADPS_TOKEN, GRADPS_TOKEN_FILE, ...)."""
+    `gradps.auth.client_tokens.client_token` finds it (GRADPS_TOKEN, GRADPS_TOKEN_FILE, ...)."""
     tune_allocator()
     channel = grpc.insecure_channel(address, options=_OPTIONS)
     return with_token(channel, token if token is not None else client_token(address))
@@ -88,7 +90,7 @@ def make_server(max_workers: int = 32, secret: ClusterSecret | None = None) -> g
     In a process that serves metrics (`serve_metrics` first), every call is counted for
     Prometheus (gradps.metrics), outermost so that its code is the one the client sees. With
     `secret`, every call but health checks needs a token of a role that may make it
-    (gradps.auth.AuthInterceptor); without, every call is accepted."""
+    (gradps.auth.access.AuthInterceptor); without, every call is accepted."""
     tune_allocator()
     executor = futures.ThreadPoolExecutor(max_workers=max_workers)
     auth = (AuthInterceptor(secret),) if secret is not None else ()

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from gradps.auth import WORKER_TOKEN_KEY, client_token, forget, remember
+from gradps.auth.client_tokens import client_token, forget, remember
+from gradps.auth.tokens import WORKER_TOKEN_KEY
 from gradps.channel import open_channel
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2
@@ -50,9 +51,9 @@ class WorkerSession:
         """Join now, retrying for up to `join_timeout_s` while the coordinator starts; setting
         `stop` (the service's SIGTERM) gives up at once. ConnectionError if it never answers.
 
-        `token`: the one JoinWorker takes (default: `gradps.auth.client_token`'s). When the
+        `token`: the one JoinWorker takes (default: `gradps.auth.client_tokens.client_token`'s). When the
         coordinator answers with this worker's own token, every later call to it and to the
-        run's shards carries that one (gradps/auth.py)."""
+        run's shards carries that one (gradps/auth/access.py)."""
         self.coordinator = coordinator
         self._stop_join = stop or threading.Event()
         self.name = name or socket.gethostname()

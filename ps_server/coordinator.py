@@ -18,7 +18,10 @@ import grpc
 from google.protobuf.message import Message
 
 from gradps import metrics, wire
-from gradps.auth import ADMIN, allow_import_option, issue_worker_token, secret_options, server_secret, set_process_token
+from gradps.auth.access import issue_worker_token
+from gradps.auth.client_tokens import set_process_token
+from gradps.auth.options import allow_import_option, secret_options, server_secret
+from gradps.auth.tokens import ADMIN
 from gradps.channel import (
     add_health,
     bind,

@@ -22,7 +22,9 @@ import torch
 from google.protobuf.message import Message
 
 from gradps import metrics, wire
-from gradps.auth import SHARD, secret_options, server_secret, set_process_token
+from gradps.auth.client_tokens import set_process_token
+from gradps.auth.options import secret_options, server_secret
+from gradps.auth.tokens import SHARD
 from gradps.channel import (
     add_health,
     bind,

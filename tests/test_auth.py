@@ -1,4 +1,4 @@
-"""Bearer tokens and roles (gradps/auth.py) against a real local cluster, and the import allow-list.
+"""Bearer tokens and roles (gradps/auth/) against a real local cluster, and the import allow-list.
 
 Every RPC of every service, listed from the proto descriptors, is refused without a token, and every
 admin RPC with a worker's; a worker's own token acts only as its own worker id; a token of the right
@@ -28,7 +28,7 @@ from client.cli import cli
 from client.local_cluster import LocalCluster
 from client.report import follow
 from client.sdk import Client, GradpsError, run_spec
-from gradps import auth
+from gradps.auth import access, tokens
 from gradps.datasets import Dataset, ImportRefused, import_allowed, load_dataset
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2
@@ -121,28 +121,28 @@ def _state(cluster: LocalCluster) -> tuple:
 
 def test_every_rpc_is_placed_in_a_role():
     listed = {f"/{s.full_name}/{m.name}" for s, m in _every_rpc()}
-    assert listed == set(auth.RULES), "every RPC has exactly one rule"
+    assert listed == set(access.RULES), "every RPC has exactly one rule"
     for service, names in ADMIN_RPCS.items():
         for name in names:
-            rule = auth.RULES[f"/gradps.v1.{service}/{name}"]
-            assert rule.roles == {auth.ADMIN}, name
+            rule = access.RULES[f"/gradps.v1.{service}/{name}"]
+            assert rule.roles == {tokens.ADMIN}, name
 
 
 def test_tokens_are_derived_from_the_secret_and_checked_in_full():
-    secret = auth.ClusterSecret("s" * 32)
-    token = secret.token(auth.ADMIN)
-    assert secret.check(token) == auth.Caller(auth.ADMIN)
-    assert secret.check(secret.token(auth.WORKER, 7)) == auth.Caller(auth.WORKER, 7)
+    secret = tokens.ClusterSecret("s" * 32)
+    token = secret.token(tokens.ADMIN)
+    assert secret.check(token) == tokens.Caller(tokens.ADMIN)
+    assert secret.check(secret.token(tokens.WORKER, 7)) == tokens.Caller(tokens.WORKER, 7)
     last = token[-1]
     forged = token[:-1] + ("A" if last != "A" else "B")
     assert len(forged) == len(token) and secret.check(forged) is None
-    assert auth.ClusterSecret("t" * 32).check(token) is None
+    assert tokens.ClusterSecret("t" * 32).check(token) is None
     # The subject is covered by the MAC: renaming the role of a valid token breaks it.
     assert secret.check(token.replace(".admin.", ".shard.")) is None
     for junk in ("", "gradps1", "gradps1.admin", "gradps1.worker-x.abc", "Bearer x", "é" * 50):
         assert secret.check(junk) is None
     with pytest.raises(ValueError, match="at least 16"):
-        auth.ClusterSecret("short")
+        tokens.ClusterSecret("short")
 
 
 def test_every_rpc_without_a_token_is_unauthenticated(secured, addresses):
@@ -163,13 +163,13 @@ def test_health_checks_need_no_token(addresses):
 
 def test_a_worker_token_makes_no_admin_call(secured, addresses):
     before = _state(secured)
-    plain = secured.role_token(auth.WORKER)
+    plain = secured.role_token(tokens.WORKER)
     with grpc.insecure_channel(secured.address) as channel:
         _, call = coordinator_pb2_grpc.CoordinatorServiceStub(channel).JoinWorker.with_call(
             cpb.JoinWorkerRequest(name="auth-test"), metadata=[("authorization", f"Bearer {plain}")], timeout=10
         )
-    own = dict(call.trailing_metadata())[auth.WORKER_TOKEN_KEY]
-    for token in (plain, own, secured.role_token(auth.SHARD)):
+    own = dict(call.trailing_metadata())[tokens.WORKER_TOKEN_KEY]
+    for token in (plain, own, secured.role_token(tokens.SHARD)):
         for service, method in _every_rpc():
             if method.name in ADMIN_RPCS[service.name]:
                 with grpc.insecure_channel(addresses[service.name]) as channel:
@@ -180,13 +180,13 @@ def test_a_worker_token_makes_no_admin_call(secured, addresses):
 
 
 def test_a_worker_token_acts_only_as_its_own_worker(secured, addresses):
-    plain = secured.role_token(auth.WORKER)
+    plain = secured.role_token(tokens.WORKER)
     with grpc.insecure_channel(secured.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         as_plain = [("authorization", f"Bearer {plain}")]
         joined, call = stub.JoinWorker.with_call(cpb.JoinWorkerRequest(name="auth-own"), metadata=as_plain, timeout=10)
         me, other = joined.worker_id, joined.worker_id + 1
-        own = dict(call.trailing_metadata())[auth.WORKER_TOKEN_KEY]
+        own = dict(call.trailing_metadata())[tokens.WORKER_TOKEN_KEY]
         as_own = [("authorization", f"Bearer {own}")]
         # The plain worker token only joins.
         details = _refused(
@@ -217,10 +217,10 @@ def test_a_worker_token_acts_only_as_its_own_worker(secured, addresses):
 
 
 def test_a_token_the_secret_did_not_mint_is_refused(secured, addresses):
-    admin = secured.role_token(auth.ADMIN)
+    admin = secured.role_token(tokens.ADMIN)
     assert admin is not None
     forged = admin[:-1] + ("A" if admin[-1] != "A" else "B")
-    other_cluster = auth.ClusterSecret("x" * 43).token(auth.ADMIN)
+    other_cluster = tokens.ClusterSecret("x" * 43).token(tokens.ADMIN)
     list_runs = cpb.DESCRIPTOR.services_by_name["CoordinatorService"].methods_by_name["ListRuns"]
     service = list_runs.containing_service
     with grpc.insecure_channel(addresses["CoordinatorService"]) as channel:
@@ -258,7 +258,7 @@ def test_a_run_with_tokens_completes_and_no_log_holds_a_secret(secured, tmp_path
         run_id = client.submit(spec)
         summary = follow(client, run_id, tmp_path, show_progress=False)
     assert summary["state"] == "completed", summary
-    secrets = [secured.role_token(role) for role in auth.ROLES]
+    secrets = [secured.role_token(role) for role in tokens.ROLES]
     for log in secured.log_dir.glob("*.log"):
         text = log.read_text(errors="replace")
         assert not any(s and s in text for s in secrets), log
@@ -290,7 +290,7 @@ def test_this_users_other_commands_find_a_local_clusters_token(secured, tmp_path
 
 
 def test_a_worker_with_a_wrong_token_exits_with_one_line(secured):
-    worker = secured.role_token(auth.WORKER)
+    worker = secured.role_token(tokens.WORKER)
     assert worker is not None
     forged = worker[:-1] + ("A" if worker[-1] != "A" else "B")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPS_")} | {"GRADPS_TOKEN": forged}
@@ -306,4 +306,4 @@ def test_the_cli_prints_a_role_token_from_the_secret():
     secret = "k" * 40
     result = CliRunner().invoke(cli, ["token", "worker"], env={"GRADPS_SECRET": secret})
     assert result.exit_code == 0, result.output
-    assert auth.ClusterSecret(secret).check(result.output.strip()) == auth.Caller(auth.WORKER)
+    assert tokens.ClusterSecret(secret).check(result.output.strip()) == tokens.Caller(tokens.WORKER)
