@@ -81,7 +81,7 @@ def test_the_sdk_and_the_cli_build_the_same_run() -> None:
 def _spec_option_names() -> set[str]:
     """The options `spec_options` adds: those both `train` and `compare` take, but their own."""
     names = set(_params("train")) & set(_params("compare"))
-    cluster = {"coordinator", "local", "shards", "heartbeat_timeout", "device", "transport"}
+    cluster = {"coordinator", "local", "shards", "heartbeat_timeout", "device", "transport", "allow_import"}
     return names - cluster - {"workers", "out", "no_progress", "help"}
 
 
