@@ -9,13 +9,9 @@ test plays the workers (WorkerSession) or calls the coordinator's API directly.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -29,6 +25,7 @@ from gradps.parameter_client import tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
 from gradps.worker_session import WorkerSession
+from tests.services import Services, until
 
 HEARTBEAT_TIMEOUT_S = 1.0
 KEEP_RUNS = 3
@@ -41,90 +38,11 @@ MIB = 1 << 20
 TENSORS = tensor_specs({"w": torch.zeros(64)})
 
 
-def _until(condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(poll_s)
-
-
-class _Processes:
-    """A coordinator (restartable on its port) and shards, each a process logging to `tmp`."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.coordinator: subprocess.Popen | None = None
-        self.port = 0
-        self.shards: list[subprocess.Popen] = []
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
-        env = dict(os.environ, OMP_NUM_THREADS="1", GRADPS_LOG_LEVEL="INFO")
-        log = open(self.tmp / f"{name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def _port_of(self, port_file: Path, process: subprocess.Popen) -> int:
-        _until(lambda: port_file.exists() or process.poll() is not None, 60, f"{port_file.name} never written")
-        assert process.poll() is None, f"a service exited at start-up; see {self.tmp}"
-        return int(port_file.read_text())
-
-    def start_coordinator(self) -> None:
-        """Start the coordinator; on the port it had before, when it ran already."""
-        port_file = self.tmp / "coordinator.port"
-        port_file.unlink(missing_ok=True)
-        self.coordinator = self._spawn(
-            "coordinator",
-            "ps_server.coordinator",
-            f"--port={self.port}",
-            f"--port-file={port_file}",
-            f"--heartbeat-timeout={HEARTBEAT_TIMEOUT_S}",
-            f"--keep-runs={KEEP_RUNS}",
-        )
-        self.port = self._port_of(port_file, self.coordinator)
-
-    def add_shard(self) -> None:
-        port_file = self.tmp / f"shard-{len(self.shards)}.port"
-        shard = self._spawn(
-            f"shard-{len(self.shards)}",
-            "ps_server.shard",
-            "--port=0",
-            "--data-port=-1",
-            f"--port-file={port_file}",
-            f"--coordinator={self.address}",
-            "--advertise-host=127.0.0.1",
-            "--device=cpu",
-        )
-        self.shards.append(shard)
-        self._port_of(port_file, shard)
-
-    def coordinator_rss(self) -> int:
-        """The coordinator's resident memory, bytes."""
-        assert self.coordinator is not None
-        for line in Path(f"/proc/{self.coordinator.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
-
-    def stop(self) -> None:
-        processes = [*self.shards, *([self.coordinator] if self.coordinator else [])]
-        for p in processes:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)  # a test may have paused it
-                p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
 @pytest.fixture(scope="module")
-def procs(tmp_path_factory) -> Iterator[_Processes]:
-    p = _Processes(tmp_path_factory.mktemp("scheduling"))
+def procs(tmp_path_factory) -> Iterator[Services]:
+    p = Services(
+        tmp_path_factory.mktemp("scheduling"), f"--heartbeat-timeout={HEARTBEAT_TIMEOUT_S}", f"--keep-runs={KEEP_RUNS}"
+    )
     try:
         p.start_coordinator()
         p.add_shard()
@@ -171,7 +89,7 @@ def _shard_addresses(client: Client) -> list[str]:
 
 def test_a_run_larger_than_the_cluster_does_not_hold_up_later_runs(procs):
     with Client(procs.address) as client:
-        _until(lambda: len(_live_shards(client)) == 2, 10, "shards did not register")
+        until(lambda: len(_live_shards(client)) == 2, 10, "shards did not register")
         big = client.submit(_spec(4096))
         small = client.submit(_spec(2))
         sessions = [WorkerSession(procs.address, name=f"sched-{i}") for i in range(2)]
@@ -240,7 +158,7 @@ def test_silent_workers_are_forgotten_and_memory_stays_bounded(procs, stub):
     for wave in range(2):
         took = _join_silently(stub, 5000, f"silent{wave}")
         assert took < 30, f"5,000 joins took {took:.1f} s"
-        _until(lambda: _silent_alive(stub) == 0, 10 * HEARTBEAT_TIMEOUT_S, "silent workers were never declared dead")
+        until(lambda: _silent_alive(stub) == 0, 10 * HEARTBEAT_TIMEOUT_S, "silent workers were never declared dead")
         rss.append(procs.coordinator_rss())
         began = time.monotonic()
         workers = stub.GetCluster(cpb.GetClusterRequest(), timeout=10).workers
@@ -357,7 +275,7 @@ def test_ended_runs_are_deleted_on_request_and_beyond_keep_runs(procs, stub):
         assert client.run(placed).run.state == cpb.RUN_STATE_COMPLETED
         assert f"deleted {placed}" in _cli("delete", placed, "--coordinator", procs.address)
         _rejected(lambda: stub.GetRun(cpb.GetRunRequest(run_id=placed), timeout=10), NOT_FOUND, "unknown run")
-        _until(lambda: not any(_shard_knows(a, placed) for a in shards), 10, "the shards kept the deleted run")
+        until(lambda: not any(_shard_knows(a, placed) for a in shards), 10, "the shards kept the deleted run")
 
         # A pending run is refused, whole and clearly, by the SDK and the CLI.
         pending = client.submit(_spec(4096))
@@ -406,7 +324,7 @@ def test_a_restarted_coordinator_learns_its_shards_from_their_next_heartbeat(pro
     procs.start_coordinator()  # same port, no memory of anything
     began = time.monotonic()
     with Client(procs.address) as client:
-        _until(lambda: sorted(_live_shards(client)) == sorted(shards), 10, "the shards did not register again")
+        until(lambda: sorted(_live_shards(client)) == sorted(shards), 10, "the shards did not register again")
         took = time.monotonic() - began
         print(f"shards known again {took * 1000:.0f} ms after the restart (heartbeats every {SHARD_HEARTBEAT_S:.1f} s)")
         assert took < SHARD_HEARTBEAT_S + 1.0
@@ -417,11 +335,11 @@ def test_a_restarted_coordinator_learns_its_shards_from_their_next_heartbeat(pro
     paused.send_signal(signal.SIGSTOP)
     try:
         with Client(procs.address) as client:
-            _until(lambda: len(_live_shards(client)) == 1, 10 * HEARTBEAT_TIMEOUT_S, "the silent shard is still live")
+            until(lambda: len(_live_shards(client)) == 1, 10 * HEARTBEAT_TIMEOUT_S, "the silent shard is still live")
             (live,) = _live_shards(client)
             assert [s.alive for s in client.cluster().shard_infos].count(False) == 1
         assert _placed_on(procs.address) == [live]
     finally:
         paused.send_signal(signal.SIGCONT)
     with Client(procs.address) as client:
-        _until(lambda: sorted(_live_shards(client)) == sorted(shards), 10, "the shard did not come back")
+        until(lambda: sorted(_live_shards(client)) == sorted(shards), 10, "the shard did not come back")

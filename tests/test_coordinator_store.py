@@ -12,7 +12,6 @@ test plays the workers with WorkerSession.
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -36,95 +35,19 @@ from gradps.v1 import coordinator_pb2_grpc
 from gradps.worker_session import WorkerSession
 from ps_server.coordinator import RESTARTED_MESSAGE
 from ps_server.run_store import DB_NAME, SCHEMA_VERSION, RunStore, StoreError
+from tests.services import Services, until
 
 HEARTBEAT_TIMEOUT_S = 1.0
 TENSORS = tensor_specs({"w": torch.zeros(64)})
 STATES = cpb.RunState.Name
 
 
-def _until(condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(poll_s)
-
-
-class _Cluster:
-    """A coordinator on a state dir (restartable on its port) and one shard, logging to `tmp`."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.state_dir = tmp / "state"
-        self.coordinator: subprocess.Popen | None = None
-        self.shard: subprocess.Popen | None = None
-        self.port = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
-        env = dict(os.environ, OMP_NUM_THREADS="1", GRADPS_LOG_LEVEL="INFO")
-        log = open(self.tmp / f"{name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def _port_of(self, port_file: Path, process: subprocess.Popen) -> int:
-        _until(lambda: port_file.exists() or process.poll() is not None, 60, f"{port_file.name} never written")
-        assert process.poll() is None, f"a service exited at start-up; see {self.tmp}"
-        return int(port_file.read_text())
-
-    def start_coordinator(self, keep_runs: int = 10) -> None:
-        port_file = self.tmp / "coordinator.port"
-        port_file.unlink(missing_ok=True)
-        self.coordinator = self._spawn(
-            "coordinator",
-            "ps_server.coordinator",
-            f"--port={self.port}",
-            f"--port-file={port_file}",
-            f"--heartbeat-timeout={HEARTBEAT_TIMEOUT_S}",
-            f"--keep-runs={keep_runs}",
-            f"--state-dir={self.state_dir}",
-        )
-        self.port = self._port_of(port_file, self.coordinator)
-
-    def kill_coordinator(self) -> None:
-        assert self.coordinator is not None
-        self.coordinator.send_signal(signal.SIGKILL)
-        self.coordinator.wait()
-
-    def start_shard(self) -> None:
-        port_file = self.tmp / "shard.port"
-        self.shard = self._spawn(
-            "shard",
-            "ps_server.shard",
-            "--port=0",
-            "--data-port=-1",
-            f"--port-file={port_file}",
-            f"--coordinator={self.address}",
-            "--advertise-host=127.0.0.1",
-            "--device=cpu",
-        )
-        self._port_of(port_file, self.shard)
-
-    def stop(self) -> None:
-        processes = [p for p in (self.shard, self.coordinator) if p is not None]
-        for p in processes:
-            if p.poll() is None:
-                p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[_Cluster]:
-    c = _Cluster(tmp_path)
+def cluster(tmp_path: Path) -> Iterator[Services]:
+    c = Services(tmp_path, f"--heartbeat-timeout={HEARTBEAT_TIMEOUT_S}", f"--state-dir={tmp_path / 'state'}")
     try:
-        c.start_coordinator()
-        c.start_shard()
+        c.start_coordinator("--keep-runs=10")
+        c.add_shard()
         yield c
     finally:
         c.stop()
@@ -191,9 +114,9 @@ def _assignment(session: WorkerSession) -> str:
             time.sleep(0.1)
 
 
-def test_a_killed_coordinator_takes_its_runs_back_from_its_state_dir(cluster: _Cluster) -> None:
+def test_a_killed_coordinator_takes_its_runs_back_from_its_state_dir(cluster: Services) -> None:
     address = cluster.address
-    _until(lambda: _call(address, "GetCluster", cpb.GetClusterRequest()).shards, 20, "no shard registered")
+    until(lambda: _call(address, "GetCluster", cpb.GetClusterRequest()).shards, 20, "no shard registered")
     sessions = [WorkerSession(address, name="a")]
     a = sessions[0]
     try:
@@ -234,7 +157,7 @@ def test_a_killed_coordinator_takes_its_runs_back_from_its_state_dir(cluster: _C
 
         cluster.kill_coordinator()
         d.close()  # dies while the coordinator is down: no one hears it again
-        cluster.start_coordinator()
+        cluster.start_coordinator("--keep-runs=10")
         after = _runs(address)
 
         # Every run is listed again, oldest first; the ended ones exactly as they were, events and
@@ -254,7 +177,7 @@ def test_a_killed_coordinator_takes_its_runs_back_from_its_state_dir(cluster: _C
         assert failed.state == cpb.RUN_STATE_FAILED and failed.message == RESTARTED_MESSAGE, failed
         assert list(failed.dead_workers) == [c_id] and list(failed.latest) == list(before[given_up].latest)
         # One never heard again is dropped once its grace is over: its run fails the same way.
-        _until(lambda: _runs(address)[orphaned].state != cpb.RUN_STATE_RUNNING, 30, "the run never ended", 0.1)
+        until(lambda: _runs(address)[orphaned].state != cpb.RUN_STATE_RUNNING, 30, "the run never ended", 0.1)
         now = _runs(address)
         assert now[orphaned].state == cpb.RUN_STATE_FAILED and now[orphaned].message == RESTARTED_MESSAGE
         assert list(now[orphaned].dead_workers) == [d_id]
@@ -273,7 +196,7 @@ def test_a_killed_coordinator_takes_its_runs_back_from_its_state_dir(cluster: _C
         # coordinator started with fewer runs to keep deletes the oldest ended ones.
         assert f"deleted {stopped}" in _cli("delete", stopped, "--coordinator", address)
         cluster.kill_coordinator()
-        cluster.start_coordinator(keep_runs=1)
+        cluster.start_coordinator("--keep-runs=1")
         kept = _runs(address)
         assert list(kept) == [too_big, later], {r: STATES(s.state) for r, s in kept.items()}
         assert kept[later].state == cpb.RUN_STATE_STOPPED
@@ -283,13 +206,13 @@ def test_a_killed_coordinator_takes_its_runs_back_from_its_state_dir(cluster: _C
 
     # The file itself: WAL, this schema version, only the runs kept, no events of the others.
     cluster.stop()
-    assert _stored(cluster.state_dir, "PRAGMA journal_mode") == [("wal",)]
-    assert _stored(cluster.state_dir, "SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
-    assert _stored(cluster.state_dir, "SELECT run_id, state FROM runs ORDER BY seq") == [
+    assert _stored((cluster.tmp / "state"), "PRAGMA journal_mode") == [("wal",)]
+    assert _stored((cluster.tmp / "state"), "SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+    assert _stored((cluster.tmp / "state"), "SELECT run_id, state FROM runs ORDER BY seq") == [
         (too_big, "pending"),
         (later, "stopped"),
     ]
-    assert {r for (r,) in _stored(cluster.state_dir, "SELECT DISTINCT run_id FROM events")} == {too_big, later}
+    assert {r for (r,) in _stored((cluster.tmp / "state"), "SELECT DISTINCT run_id FROM events")} == {too_big, later}
 
 
 # ---- state dirs it cannot use --------------------------------------------------------------------
@@ -388,7 +311,7 @@ def test_a_coordinator_without_a_state_dir_writes_nothing(tmp_path: Path) -> Non
     args = [sys.executable, "-m", "ps_server.coordinator", "--port=0", f"--port-file={port_file}"]
     coordinator = subprocess.Popen(args, cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
     try:
-        _until(lambda: port_file.exists() or coordinator.poll() is not None, 60, "no port file")
+        until(lambda: port_file.exists() or coordinator.poll() is not None, 60, "no port file")
         address = f"127.0.0.1:{port_file.read_text()}"
         run_id = _submit(address, 4096)
         assert _runs(address)[run_id].state == cpb.RUN_STATE_PENDING

@@ -1,0 +1,103 @@
+"""A coordinator (restartable on its port) and shards as real processes, each logging to a folder:
+for tests that kill, pause or restart the services themselves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def until(condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
+    """Wait for `condition`; AssertionError(`what`) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(poll_s)
+
+
+class Services:
+    """A coordinator started with `coordinator_args` (again on the same port after a restart) and
+    shards registered with it, each a process logging to `tmp`."""
+
+    def __init__(self, tmp: Path, *coordinator_args: str) -> None:
+        self.tmp = tmp
+        self.coordinator_args = coordinator_args
+        self.coordinator: subprocess.Popen | None = None
+        self.port = 0
+        self.shards: list[subprocess.Popen] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS="1", GRADPS_LOG_LEVEL="INFO")
+        log = open(self.tmp / f"{name}.log", "ab")
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def _port_of(self, port_file: Path, process: subprocess.Popen) -> int:
+        until(lambda: port_file.exists() or process.poll() is not None, 60, f"{port_file.name} never written")
+        assert process.poll() is None, f"a service exited at start-up; see {self.tmp}"
+        return int(port_file.read_text())
+
+    def start_coordinator(self, *args: str) -> None:
+        """Start the coordinator (`args` after the constructor's); on the port it had before, when
+        it ran already."""
+        port_file = self.tmp / "coordinator.port"
+        port_file.unlink(missing_ok=True)
+        self.coordinator = self._spawn(
+            "coordinator",
+            "ps_server.coordinator",
+            f"--port={self.port}",
+            f"--port-file={port_file}",
+            *self.coordinator_args,
+            *args,
+        )
+        self.port = self._port_of(port_file, self.coordinator)
+
+    def kill_coordinator(self) -> None:
+        assert self.coordinator is not None
+        self.coordinator.send_signal(signal.SIGKILL)
+        self.coordinator.wait()
+
+    def add_shard(self) -> None:
+        name = f"shard-{len(self.shards)}"
+        port_file = self.tmp / f"{name}.port"
+        shard = self._spawn(
+            name,
+            "ps_server.shard",
+            "--port=0",
+            "--data-port=-1",
+            f"--port-file={port_file}",
+            f"--coordinator={self.address}",
+            "--advertise-host=127.0.0.1",
+            "--device=cpu",
+        )
+        self.shards.append(shard)
+        self._port_of(port_file, shard)
+
+    def coordinator_rss(self) -> int:
+        """The coordinator's resident memory, bytes."""
+        assert self.coordinator is not None
+        for line in Path(f"/proc/{self.coordinator.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def stop(self) -> None:
+        processes = [*self.shards, *([self.coordinator] if self.coordinator else [])]
+        for p in processes:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # a test may have paused it
+                p.terminate()
+        for p in processes:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
