@@ -698,14 +698,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def _watch_heartbeats(self) -> None:
         """Declare silent workers and shards dead after the heartbeat timeout; forget them later."""
-        while not self._stopped.wait(min(0.25, self.heartbeat_timeout_s / 4)):
-            now = time.monotonic()
+        tick_s = min(0.25, self.heartbeat_timeout_s / 4)
+        last = time.monotonic()
+        while not self._stopped.wait(tick_s):
             with self._cond:
+                now = time.monotonic()
+                # A coordinator that was not running (descheduled, swapped, paused) heard nobody:
+                # that silence is its own, not the workers' and shards', so it is forgiven.
+                stalled_s = now - last - tick_s
+                last = now
+                if stalled_s > tick_s:
+                    self._forgive_silence(stalled_s)
                 changed = self._expire_workers(now)
                 changed |= self._expire_shards(now)
                 if changed:
                     self._schedule()
                 self._cond.notify_all()
+
+    def _forgive_silence(self, stalled_s: float) -> None:
+        _LOGGER.warning("the coordinator itself stalled %.1f s: heartbeat silence of that long forgiven", stalled_s)
+        now = time.monotonic()
+        for heard in (*self._workers.values(), *self._shards.values()):
+            heard.last_seen = min(heard.last_seen + stalled_s, now)
 
     def _expire_workers(self, now: float) -> bool:
         """Move workers silent past the timeout to the dead (their run goes on without them), and

@@ -306,7 +306,8 @@ def _placed_on(address: str) -> list[str]:
         try:
             run_id = client.submit(_spec(1))
             assignment = session.wait_for_assignment(wait_s=10)
-            assert assignment is not None and assignment.run_id == run_id
+            seen = f"run {client.run(run_id).run}, workers {list(client.cluster().workers)}"
+            assert assignment is not None and assignment.run_id == run_id, seen
             shards = list(session.placement(run_id, TENSORS, total_steps=3).shards)
             client.stop(run_id)
             return shards
@@ -343,3 +344,23 @@ def test_a_restarted_coordinator_learns_its_shards_from_their_next_heartbeat(pro
         paused.send_signal(signal.SIGCONT)
     with Client(procs.address) as client:
         until(lambda: sorted(_live_shards(client)) == sorted(shards), 10, "the shard did not come back")
+
+
+def test_a_coordinator_that_stalled_does_not_blame_its_workers_and_shards(procs):
+    """Paused for three heartbeat timeouts, the coordinator heard no one; that silence is its own."""
+    session = WorkerSession(procs.address, name="patient")
+    joined_as = session.worker_id
+    try:
+        with Client(procs.address) as client:
+            until(lambda: len(_live_shards(client)) == 2, 10, "shards did not register")
+            assert procs.coordinator is not None
+            procs.coordinator.send_signal(signal.SIGSTOP)
+            time.sleep(3 * HEARTBEAT_TIMEOUT_S)  # the stall itself is what is tested
+            procs.coordinator.send_signal(signal.SIGCONT)
+            time.sleep(HEARTBEAT_TIMEOUT_S / 2)  # a few monitor ticks after it resumed
+            mine = [(w.worker_id, w.alive) for w in client.cluster().workers if w.name == "patient"]
+            # Declared dead, it would have joined again under a new id.
+            assert mine == [(joined_as, True)], f"declared dead for the coordinator's stall: {mine}"
+            assert len(_live_shards(client)) == 2
+    finally:
+        session.close()
