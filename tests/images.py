@@ -111,6 +111,12 @@ def load_yaml(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def gradps_services(compose: dict) -> dict[str, dict]:
+    """The cluster's own services: those of the default profile (the monitoring profile's
+    Prometheus and Grafana are upstream images)."""
+    return {name: service for name, service in compose["services"].items() if not service.get("profiles")}
+
+
 def merged_compose() -> dict:
     return merge_compose(load_yaml(BASE), load_yaml(GPU_OVERRIDE))
 

@@ -34,6 +34,7 @@ from tests.images import (
     DOCKERFILES,
     GPU_OVERRIDE,
     ROOT,
+    gradps_services,
     load_yaml,
     local_argv,
     merged_compose,
@@ -184,8 +185,8 @@ def _broken_copy(name: str) -> str:
 
 def test_compose_file_is_valid():
     data = _validate_compose(BASE.read_text())
-    assert set(data["services"]) == {"coordinator", "shard-0", "shard-1", "worker-0", "worker-1"}
-    for name, service in data["services"].items():
+    assert set(gradps_services(data)) == {"coordinator", "shard-0", "shard-1", "worker-0", "worker-1"}
+    for name, service in gradps_services(data).items():
         assert "image" in service and (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
         assert service.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
         environment = service.get("environment", {})
@@ -219,7 +220,7 @@ def test_compose_validation_rejects_a_broken_copy(broken: str):
 
 def test_addresses_in_the_environment_name_a_service_and_the_port_it_binds():
     """`coordinator:50051` must be a service whose GRADPS_PORT (compose, else its image) is 50051."""
-    services = load_yaml(BASE)["services"]
+    services = gradps_services(load_yaml(BASE))
     found = 0
     for name, service in services.items():
         for key, value in service["environment"].items():
@@ -297,7 +298,7 @@ def _as_argv(value: str | list[str]) -> list[str]:
 
 def _containers(compose: dict) -> dict[str, Container]:
     out = {}
-    for name, service in compose["services"].items():
+    for name, service in gradps_services(compose).items():
         image = read_image(ROOT / service["build"]["context"] / service["build"]["dockerfile"])
         argv = _as_argv(service.get("entrypoint", image.entrypoint)) + _as_argv(service.get("command", []))
         test = service.get("healthcheck", {}).get("test") or ["CMD", *image.healthcheck]
@@ -358,6 +359,8 @@ class LocalCluster:
             env["GRADPS_PORT"] = str(self.ports[name]) if name in self.ports else "0"
         if "GRADPS_DATA_PORT" in env:  # every container has its own address; here they share one
             env["GRADPS_DATA_PORT"] = "0"
+        if "GRADPS_METRICS_PORT" in env:  # every container has its own address; here they share one
+            env["GRADPS_METRICS_PORT"], env["GRADPS_METRICS_HOST"] = "0", _LOCALHOST
         if "GRADPS_STATE_DIR" in env:  # the container's volume: a folder of this test's, not the host's
             env["GRADPS_STATE_DIR"] = str(self.logs / f"{name}-state")
         return env
@@ -479,3 +482,40 @@ def test_compose_services_form_a_cluster_as_local_processes(tmp_path: Path):
     finally:
         codes = cluster.stop()
     assert codes == dict.fromkeys(containers, 0), f"exit codes after SIGTERM: {codes}\n{cluster.logs_tail()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The monitoring profile
+
+
+def test_the_monitoring_profile_scrapes_every_service_where_it_serves_metrics():
+    services = load_yaml(BASE)["services"]
+    monitoring = {name for name, s in services.items() if "monitoring" in s.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"}
+    config_mount = next(
+        v for v in services["prometheus"]["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro")
+    )
+    config_file = ROOT / config_mount.split(":")[0]
+    config = load_yaml(config_file)
+    (job,) = config["scrape_configs"]
+    targets = {t for group in job["static_configs"] for t in group["targets"]}
+    expected = set()
+    for name, service in gradps_services(load_yaml(BASE)).items():
+        env = service["environment"]
+        assert env["GRADPS_METRICS_HOST"] == "::", f"{name}: Prometheus scrapes it over the gradps network"
+        expected.add(f"{name}:{env['GRADPS_METRICS_PORT']}")
+    assert targets == expected
+    # The real Prometheus' own check of the file (Debian's prometheus package ships promtool).
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        tool_missing("promtool", "apt-get install prometheus")
+    checked = subprocess.run([promtool, "check", "config", str(config_file)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # Grafana gets the Prometheus as its datasource and the dashboard that tests/test_prometheus.py checks.
+    mounts = dict(v.rsplit(":", 2)[:2] for v in services["grafana"]["volumes"])
+    provisioning = ROOT / next(src for src, dst in mounts.items() if dst == "/etc/grafana/provisioning")
+    (source,) = load_yaml(provisioning / "datasources" / "prometheus.yml")["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    (provider,) = load_yaml(provisioning / "dashboards" / "gradps.yml")["providers"]
+    dashboards = [src for src, dst in mounts.items() if dst.startswith(provider["options"]["path"] + "/")]
+    assert [Path(d).name for d in dashboards] == ["gradps-dashboard.json"] and (ROOT / dashboards[0]).is_file()

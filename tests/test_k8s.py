@@ -34,6 +34,7 @@ from tests.images import BASE as COMPOSE_FILE
 from tests.images import (
     CONSOLE_SCRIPTS,
     Image,
+    gradps_services,
     load_yaml,
     local_argv,
     merged_compose,
@@ -148,7 +149,7 @@ def _dockerfiles() -> dict[str, Path]:
     """Image tag -> the Dockerfile that builds it, as docker-compose.yml and its GPU override say."""
     out = {}
     for compose in (load_yaml(COMPOSE_FILE), merged_compose()):
-        for service in compose["services"].values():
+        for service in gradps_services(compose).values():
             out[service["image"]] = ROOT / service["build"]["context"] / service["build"]["dockerfile"]
     return out
 
@@ -692,3 +693,33 @@ def test_the_pods_form_a_cluster_as_local_processes(tmp_path: Path):
         codes = pods.stop()
     assert all(code is not None for code in codes.values()), f"killed after the grace period: {codes}"
     assert codes == dict.fromkeys(codes, 0), f"exit codes after SIGTERM: {codes}\n{pods.logs_tail()}"
+
+
+def test_the_monitoring_build_is_the_base_plus_a_service_monitor_of_every_pod():
+    objects = _render(K8S / "monitoring")
+    base = _render(K8S)
+    added = [obj for obj in objects if obj not in base]
+    assert [o for o in objects if o in base] == base, "the monitoring build changes the base"
+    assert sorted(o["kind"] for o in added) == ["Service", "ServiceMonitor"]
+    (service,) = [o for o in added if o["kind"] == "Service"]
+    (monitor,) = [o for o in added if o["kind"] == "ServiceMonitor"]
+    for version in _versions():
+        _validate(service, version)
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+
+    # The Service selects every pod, at the port each serves its metrics on.
+    selector = service["spec"]["selector"].items()
+    workloads = _workloads(base)
+    for name, workload in workloads.items():
+        assert selector <= workload["spec"]["template"]["metadata"]["labels"].items(), f"{name} is not scraped"
+        env = {e["name"]: e.get("value") for e in _container(workload)["env"]}
+        (port,) = service["spec"]["ports"]
+        assert port["targetPort"] == int(env["GRADPS_METRICS_PORT"]), name
+    assert service["spec"]["clusterIP"] == "None", "headless: its endpoints are the pods themselves"
+
+    # The ServiceMonitor selects that Service alone, by a port it names.
+    chosen = monitor["spec"]["selector"]["matchLabels"].items()
+    matching = [s for s in _services(objects).values() if chosen <= s["metadata"]["labels"].items()]
+    assert matching == [service]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]} and endpoint["path"] == "/metrics"
