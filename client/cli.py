@@ -1,25 +1,31 @@
-"""The `gradps` command line: train, up, status, runs, stop, delete, export, compare and bench."""
+"""The `gradps` command line: train, launch, up, status, runs, stop, delete, export, compare and bench."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Column, Table
 from rich.text import Text
 
 from client.ddp_baseline import BASELINES
+from client.help_sections import SectionedCommand
 from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
 from client.sdk import Client, run_spec
-from client.usage import FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
+from client.usage import Count, FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
+from gradps.auth.certs import certs
 from gradps.auth.client_tokens import read_token_file
+from gradps.auth.options import client_tls_options, use_client_tls
 from gradps.auth.tokens import ROLES, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
 from gradps.codecs import codec_syntax, parse_codec
 from gradps.device import device_option, resolve_option
@@ -34,6 +40,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The RunSpec's integer fields: a larger value is a usage error naming its option, not protobuf's
 # "Value out of range".
 UINT32, UINT64 = 2**32 - 1, 2**64 - 1
+# Where `gradps up` serves by default, and so where the other commands look unless told.
+_DEFAULT_COORDINATOR = "127.0.0.1:50051"
 _CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
@@ -57,13 +65,30 @@ def _straggler(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return parsed
 
 
+def _checkpoint_every(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, float] | None:
+    """--checkpoint-every N (steps) or Ns (seconds): (steps, seconds)."""
+    if not value:
+        return None
+    try:
+        every = (0, float(value[:-1])) if value.endswith("s") else (int(value), 0.0)
+    except ValueError:
+        raise click.BadParameter(f"expected steps (100) or seconds (10s), got {value!r}") from None
+    if not 0 < max(every) < float("inf"):
+        raise click.BadParameter(f"expected a positive number of steps or seconds, got {value!r}")
+    return every
+
+
 def _scheme_option(param: Param) -> Callable[[F], F]:
     """The option of one SchemeParams field, from its registration."""
     flag, text = "--" + param.name.replace("_", "-"), f"{'/'.join(schemes_of(param))}: {param.help}"
     if param.type is bool:
         return click.option(flag, is_flag=True, default=param.default, help=text)
     if param.type is int:
-        kind: click.ParamType = click.IntRange(param.low, param.high, min_open=param.low_open)
+        kind: click.ParamType = (
+            Count(param.low, param.high)
+            if param.high in (UINT32, UINT64) and not param.low_open
+            else click.IntRange(param.low, param.high, min_open=param.low_open)
+        )
     else:
         kind = FiniteFloat(param.low, param.high, min_open=param.low_open)
     return click.option(flag, default=param.default, type=kind, help=text)
@@ -74,12 +99,20 @@ def spec_options(fn: F) -> F:
     (`gradps.run_spec.default_spec`), scheme options come from the scheme registry."""
     d, opt = _DEFAULTS, _DEFAULTS.optimizer
     options = [
-        click.option("--model", default=d.model, help="mlp, cnn, resnet18, transformer or package.module:function."),
         click.option(
-            "--dataset", default=d.dataset, help="digits, synthetic-images, synthetic-tokens or an import path."
+            "--model",
+            default=d.model,
+            help="mlp, cnn, resnet18, transformer or package.module:function (called as fn(dataset), returns a "
+            "torch.nn.Module).",
         ),
         click.option(
-            "--dataset-size", default=0, type=click.IntRange(min=0, max=UINT64), help="Samples for synthetic datasets."
+            "--dataset",
+            default=d.dataset,
+            help="digits, synthetic-images, synthetic-tokens or package.module:function (called as fn(size, seed), "
+            "returns a gradps.datasets.Dataset).",
+        ),
+        click.option(
+            "--dataset-size", default=0, type=Count(min=0, max=UINT64), help="Samples for synthetic datasets."
         ),
         click.option("--optimizer", default=opt.name, type=click.Choice(["sgd", "adam", "adamw"])),
         click.option("--lr", default=opt.lr, type=FiniteFloat(min=0, min_open=True)),
@@ -90,19 +123,17 @@ def spec_options(fn: F) -> F:
         click.option(
             "--step-size",
             default=0,
-            type=click.IntRange(min=0, max=UINT64),
+            type=Count(min=0, max=UINT64),
             help="step schedule: decay the lr every N updates.",
         ),
         click.option(
             "--gamma", default=opt.gamma, type=FiniteFloat(0, 1, min_open=True), help="step schedule: lr factor."
         ),
-        click.option("--warmup-steps", default=0, type=click.IntRange(min=0, max=UINT64)),
-        click.option("--batch-size", default=d.batch_size, type=click.IntRange(min=1, max=UINT32)),
-        click.option(
-            "--steps", default=0, type=click.IntRange(min=0, max=UINT64), help="Steps per worker (0: use --epochs)."
-        ),
+        click.option("--warmup-steps", default=0, type=Count(min=0, max=UINT64)),
+        click.option("--batch-size", default=d.batch_size, type=Count(min=1, max=UINT32)),
+        click.option("--steps", default=0, type=Count(min=0, max=UINT64), help="Steps per worker (0: use --epochs)."),
         click.option("--epochs", default=d.epochs, type=FiniteFloat(min=0, min_open=True)),
-        click.option("--seed", default=0, type=click.IntRange(min=0, max=UINT64)),
+        click.option("--seed", default=0, type=Count(min=0, max=UINT64)),
         click.option("--codec", default="none", callback=_codec, help=f"Gradient codec: {codec_syntax()}."),
         click.option(
             "--pull-codec", default="none", callback=_codec, help=f"Weights codec: {codec_syntax(pull=True)}."
@@ -110,12 +141,10 @@ def spec_options(fn: F) -> F:
         click.option(
             "--eval-every",
             default=d.eval_every,
-            type=click.IntRange(min=0, max=UINT32),
+            type=Count(min=0, max=UINT32),
             help="Evaluate every K steps (0: only at the end).",
         ),
-        click.option(
-            "--part-size", default=d.part_size, type=click.IntRange(min=1, max=UINT64), help="Bytes per part."
-        ),
+        click.option("--part-size", default=d.part_size, type=Count(min=1, max=UINT64), help="Bytes per part."),
         *(_scheme_option(param) for param in PARAMS.values()),
         click.option(
             "--straggler", default=None, callback=_straggler, help="RANK:FACTOR: that worker is FACTOR times slower."
@@ -141,8 +170,10 @@ def build_spec(scheme: str, workers: int, **o: Any) -> run_pb2.RunSpec:
 
 
 @click.group(context_settings=_CONTEXT)
-def cli() -> None:
+@client_tls_options
+def cli(tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """gradps: a sharded parameter server for data-parallel training."""
+    use_client_tls(tls_cert, tls_key, tls_ca)
 
 
 def _transport_option(fn: F, applies: str = "--local: ") -> F:
@@ -171,7 +202,7 @@ def _cluster_options(fn: F) -> F:
     fn = _transport_option(fn)
     fn = device_option("--local: where shards and workers compute (auto: CUDA when present).", resolve=False)(fn)
     fn = click.option("--heartbeat-timeout", default=5.0, type=FiniteFloat(min=0.1), help="--local: seconds.")(fn)
-    fn = click.option("--shards", default=2, type=click.IntRange(min=1), help="--local: shard processes.")(fn)
+    fn = click.option("--shards", default=2, type=Count(min=1), help="--local: shard processes.")(fn)
     fn = click.option(
         "--local", is_flag=True, help="Start an embedded cluster of local processes (compare: the default)."
     )(fn)
@@ -181,7 +212,7 @@ def _cluster_options(fn: F) -> F:
     return fn
 
 
-@cli.command(context_settings=_CONTEXT)
+@cli.command(cls=SectionedCommand, context_settings=_CONTEXT)
 @_cluster_options
 @click.option(
     "--scheme",
@@ -189,12 +220,25 @@ def _cluster_options(fn: F) -> F:
     type=click.Choice(list(SCHEMES)),
     help="Consistency scheme: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ".",
 )
-@click.option("--workers", default=_DEFAULTS.workers, type=click.IntRange(min=1))
+@click.option("--workers", default=_DEFAULTS.workers, type=Count(min=1))
 @spec_options
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Run folder (default runs/<run-id>)."
 )
+@click.option(
+    "--tensorboard",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also write TensorBoard event files here (`tensorboard --logdir DIR`): loss, test accuracy, "
+    "samples/s, staleness, wait fraction.",
+)
 @click.option("--no-progress", is_flag=True, help="No live progress bar.")
+@click.option(
+    "--checkpoint-every",
+    default=None,
+    callback=_checkpoint_every,
+    help="Shards with a --state-dir checkpoint the run every N steps (100) or seconds (10s).",
+)
 @one_line_errors
 def train(
     coordinator: str | None,
@@ -207,31 +251,50 @@ def train(
     scheme: str,
     workers: int,
     out: Path | None,
+    tensorboard: Path | None,
     no_progress: bool,
+    checkpoint_every: tuple[int, float] | None,
     **options: Any,
 ) -> None:
     """Train one run and print its summary; writes summary.json and metrics.jsonl."""
-    if local == bool(coordinator):
-        env = " (GRADPS_COORDINATOR is set)" if local and os.environ.get("GRADPS_COORDINATOR") else ""
-        raise click.UsageError(f"give exactly one of --local or --coordinator HOST:PORT{env}")
+    coordinator = _chosen_coordinator(local, coordinator)
+    if not local and not coordinator:
+        raise click.UsageError("give exactly one of --local or --coordinator HOST:PORT (or GRADPS_COORDINATOR)")
     spec = build_spec(scheme, workers, **options)
+    if checkpoint_every:
+        spec.checkpoint_every_steps, spec.checkpoint_every_seconds = checkpoint_every
     device = resolve_option(device) if local else device  # only the embedded cluster's
     make_dir(out or Path("runs"))  # before a run is submitted that could not write its results
     if local:
-        log_dir = Path("runs") / "local-logs" if out is None else out / "logs"
+        # The services' logs go to the run's folder; until the run has an id, beside it.
+        log_dir = Path("runs") / f"local-logs-{os.getpid()}" if out is None else out / "logs"
         with LocalCluster(
             shards, workers, heartbeat_timeout, log_dir, device, transport, allow_import=allow_import
         ) as cluster:
-            summary = _train_on(cluster.address, spec, out, no_progress)
+            summary = _train_on(cluster.address, spec, out, no_progress, tensorboard)
+        if out is None:
+            log_dir.rename(Path("runs") / summary["run_id"] / "logs")
     else:
         assert coordinator is not None  # exactly one of --local and --coordinator, checked above
-        summary = _train_on(coordinator, spec, out, no_progress)
+        summary = _train_on(coordinator, spec, out, no_progress, tensorboard)
     print_summary(summary)
     if summary["state"] != "completed":
         raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
 
 
-def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress: bool) -> dict:
+def _chosen_coordinator(local: bool, coordinator: str | None) -> str | None:
+    """The coordinator a command uses, None for an embedded cluster: an explicit --local wins over
+    GRADPS_COORDINATOR; --local and --coordinator both on the command line is a usage error."""
+    if not (local and coordinator):
+        return coordinator
+    if click.get_current_context().get_parameter_source("coordinator") != ParameterSource.ENVIRONMENT:
+        raise click.UsageError("give --local or --coordinator HOST:PORT, not both")
+    return None
+
+
+def _train_on(
+    address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress: bool, tensorboard: Path | None
+) -> dict:
     with Client(address) as client:
         alive = sum(w.alive for w in client.cluster().workers)
         if alive < spec.workers:
@@ -242,14 +305,15 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
             )
         run_id = client.submit(spec)
         out_dir = out or Path("runs") / run_id
-        summary = follow(client, run_id, out_dir, show_progress=not no_progress)
+        board = tensorboard / run_id if tensorboard is not None else None
+        summary = follow(client, run_id, out_dir, show_progress=not no_progress, tensorboard=board)
         click.echo(f"wrote {out_dir / 'summary.json'} and {out_dir / 'metrics.jsonl'}", err=True)
         return summary
 
 
 @cli.command(context_settings=_CONTEXT)
-@click.option("--shards", default=2, type=click.IntRange(min=1))
-@click.option("--workers", default=2, type=click.IntRange(min=0), help="0: your own scripts are the workers.")
+@click.option("--shards", default=2, type=Count(min=1))
+@click.option("--workers", default=2, type=Count(min=0), help="0: your own scripts are the workers.")
 @click.option("--heartbeat-timeout", default=5.0, type=click.FloatRange(min=0.1))
 @device_option("Where shards and workers compute (auto: CUDA when present).")
 @functools.partial(_transport_option, applies="")
@@ -261,8 +325,15 @@ def _train_on(address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress
     help="Where the coordinator keeps runs: the next `gradps up` with the same folder lists them again.",
 )
 @_allow_import_option
+@click.option(
+    "--port",
+    default=50051,
+    type=click.IntRange(0, 65535),
+    help="The coordinator's port on 127.0.0.1, where `gradps status` and the others look by default (0: a free one).",
+)
 @one_line_errors
 def up(
+    port: int,
     shards: int,
     workers: int,
     heartbeat_timeout: float,
@@ -272,16 +343,19 @@ def up(
     allow_import: tuple[str, ...],
 ) -> None:
     """Run a local cluster in the foreground until Ctrl-C; its admin token is in a file (0600) that
-    lives as long as the cluster."""
-    log_dir = Path("runs") / "local-logs"
+    lives as long as the cluster. The services log under the state dir (logs/), not the current one."""
+    # Started in the background by a shell, SIGINT comes ignored (and Python then leaves it so).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    log_dir = state_dir / "logs"
     with LocalCluster(
-        shards, workers, heartbeat_timeout, log_dir, device, transport, state_dir, allow_import=allow_import
+        shards, workers, heartbeat_timeout, log_dir, device, transport, state_dir, allow_import=allow_import, port=port
     ) as cluster:
         click.echo(
             f"coordinator at {cluster.address}; {_count(shards, 'shard')}, {_count(workers, 'worker')} on {device}. "
             "Ctrl-C stops."
         )
-        click.echo(f"  runs are kept in {state_dir}")
+        click.echo(f"  runs are kept in {state_dir}, the services' logs in {log_dir}")
+        click.echo(f"  export GRADPS_COORDINATOR={cluster.address}   # for train, status, runs, export in other shells")
         click.echo(f"  gradps train --coordinator {cluster.address}")
         if cluster.token_file:  # this user's commands find it by address; others need the file
             click.echo(f"  admin token (0600): {cluster.token_file}")
@@ -325,19 +399,47 @@ def _coordinator_option(fn: F) -> F:
         "--coordinator",
         envvar="GRADPS_COORDINATOR",
         show_envvar=True,
-        default="127.0.0.1:50051",
+        default=_DEFAULT_COORDINATOR,
         help="Coordinator HOST:PORT.",
     )(fn)
 
 
+def _json_option(fn: F) -> F:
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Print JSON instead (the proto's JSON mapping, field names as in the proto; 64-bit integers as "
+        "strings), complete whatever the terminal.",
+    )(fn)
+
+
+def _print_json(**messages: Any) -> None:
+    """One JSON object of `messages` (protobuf messages, lists of them, or plain values) on stdout."""
+    from google.protobuf.json_format import MessageToDict
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        if hasattr(value, "DESCRIPTOR"):
+            return MessageToDict(value, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        return value
+
+    click.echo(json.dumps({key: plain(value) for key, value in messages.items()}, indent=2))
+
+
 @cli.command(context_settings=_CONTEXT)
 @_coordinator_option
+@_json_option
 @one_line_errors
-def status(coordinator: str) -> None:
+def status(coordinator: str, as_json: bool) -> None:
     """Shards, workers and runs of a cluster."""
     with Client(coordinator) as client:
         cluster = client.cluster()
         runs = client.runs()
+    if as_json:
+        _print_json(coordinator=coordinator, cluster=cluster, runs=runs)
+        return
     # Names and reasons come from the cluster: printed as they are, never as rich markup.
     console = Console(highlight=False)
     live = sum(w.alive for w in cluster.workers)
@@ -360,11 +462,15 @@ def status(coordinator: str) -> None:
 
 @cli.command(context_settings=_CONTEXT)
 @_coordinator_option
+@_json_option
 @one_line_errors
-def runs(coordinator: str) -> None:
+def runs(coordinator: str, as_json: bool) -> None:
     """List the runs of a cluster."""
     with Client(coordinator) as client:
         all_runs = client.runs()
+    if as_json:
+        _print_json(runs=all_runs)
+        return
     table = Table("state", "scheme", "model", "workers", "steps", "test acc", "message")
     # The id is what `stop` and `export` take: never cut, whatever the terminal's width.
     table.columns.insert(0, Column("run", no_wrap=True, min_width=max((len(r.run_id) for r in all_runs), default=3)))
@@ -423,10 +529,10 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
     click.echo(f"wrote {out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters")
 
 
-@cli.command(context_settings=_CONTEXT)
+@cli.command(cls=SectionedCommand, context_settings=_CONTEXT)
 @_cluster_options
 @click.option("--schemes", default=",".join(SCHEMES), help="Comma-separated schemes, run one after another.")
-@click.option("--workers", default=4, type=click.IntRange(min=1))
+@click.option("--workers", default=4, type=Count(min=1))
 @click.option("--target-accuracy", default=0.95, type=FiniteFloat(0, 1))
 @spec_options
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs") / "compare")
@@ -436,6 +542,13 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
     type=click.Choice(BASELINES),
     help="ddp: also train the same run with torch DistributedDataParallel on this machine (--workers "
     "processes, gloo on CPU, nccl on CUDA): one more row, and each scheme's time to target over DDP's.",
+)
+@click.option(
+    "--tensorboard",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also write TensorBoard event files here (`tensorboard --logdir DIR`): loss, test accuracy, "
+    "samples/s, staleness, wait fraction; one TensorBoard run per scheme, DIR/<scheme>.",
 )
 @click.option("--no-progress", is_flag=True, help="No live progress bars.")
 @one_line_errors
@@ -452,6 +565,7 @@ def compare(
     target_accuracy: float,
     out: Path,
     baseline: str,
+    tensorboard: Path | None,
     no_progress: bool,
     **o: Any,
 ) -> None:
@@ -476,8 +590,7 @@ def compare(
         raise click.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(SCHEMES)}", param_hint=hint)
     if len(set(names)) < len(names):
         raise click.BadParameter(f"a scheme is named twice in {schemes!r}: each writes {out}/<scheme>", param_hint=hint)
-    if coordinator and local:
-        raise click.UsageError("give --local or --coordinator HOST:PORT, not both")
+    coordinator = _chosen_coordinator(local, coordinator)
     entries = with_backup_row([(name, build_spec(name, workers, **o)) for name in names], bool(o.get("straggler")))
     # --device is the embedded cluster's, and the baseline's: both run on this machine.
     device = device if coordinator and baseline == "none" else resolve_option(device)
@@ -493,12 +606,12 @@ def compare(
         f", rank {straggler[0]} {straggler[1]:g}x slower" if straggler else ""
     )
     if coordinator:
-        rows = run_comparison(coordinator, entries, target_accuracy, out, show_progress=not no_progress)
+        rows = run_comparison(coordinator, entries, target_accuracy, out, not no_progress, tensorboard)
     else:  # the default: an embedded cluster, the same one for every scheme
         with LocalCluster(
             shards, workers, heartbeat_timeout, out / "logs", device, transport, allow_import=allow_import
         ) as cluster:
-            rows = run_comparison(cluster.address, entries, target_accuracy, out, show_progress=not no_progress)
+            rows = run_comparison(cluster.address, entries, target_accuracy, out, not no_progress, tensorboard)
     if reference is not None:
         rows.append(reference)
         add_baseline_ratios(rows, reference)
@@ -517,8 +630,11 @@ def main() -> None:
 
 
 from client.bench import bench  # noqa: E402 (the bench group sits apart from the commands above)
+from client.launch import launch_command  # noqa: E402
 
 cli.add_command(bench)
+cli.add_command(launch_command(spec_options, build_spec))
+cli.add_command(certs)
 
 if __name__ == "__main__":
     main()

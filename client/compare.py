@@ -76,14 +76,22 @@ def with_backup_row(entries: list[Entry], straggler: bool) -> list[Entry]:
 
 
 def run_comparison(
-    address: str, entries: list[Entry], target: float, out_dir: Path, show_progress: bool = True
+    address: str,
+    entries: list[Entry],
+    target: float,
+    out_dir: Path,
+    show_progress: bool = True,
+    tensorboard: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Run each entry in turn on the cluster at `address`; one row each, under its name."""
+    """Run each entry in turn on the cluster at `address`; one row each, under its name (and, with
+    `tensorboard`, one TensorBoard run each, tensorboard/<name>)."""
     rows = []
     with Client(address) as client:
         for name, spec in entries:
             run_id = client.submit(spec)
-            row = row_of(follow(client, run_id, out_dir / name, show_progress=show_progress), target)
+            board = tensorboard / name if tensorboard is not None else None
+            summary = follow(client, run_id, out_dir / name, show_progress=show_progress, tensorboard=board)
+            row = row_of(summary, target)
             row["scheme"] = name
             rows.append(row)
     return rows

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from client.sdk import Client, GradpsError
+from gradps.auth import tls
+from gradps.auth.certs import make_certs
 from gradps.auth.client_tokens import forget, read_token_file, remember, store_token, unstore_token, write_private_file
 from gradps.auth.tokens import ADMIN, WORKER, ClusterSecret
 
@@ -36,10 +38,16 @@ class LocalCluster:
         metrics: bool = False,
         allow_import: Sequence[str] = (),
         secure: bool = True,
+        tls_certs: str | os.PathLike | bool = False,
+        port: int = 0,
+        tls_client_auth: bool = False,
     ) -> None:
         """`state_dir`: where the coordinator keeps its runs (a later cluster with the same one takes
         them back); None: in memory. `metrics`: every process serves Prometheus metrics on a free
-        loopback port (`metrics_targets`)."""
+        loopback port (`metrics_targets`). `tls_certs`: every connection in TLS, with the
+        certificates of a `gradps certs` folder, or (True) of a CA of its own; `tls_client_auth`:
+        mTLS, the workers and this process presenting the folder's client certificate. `port`: the
+        coordinator's (0: a free one)."""
         if shards < 1 or workers < 0:
             raise GradpsError("a local cluster needs at least 1 shard")
         if shards + workers > MAX_PROCESSES:
@@ -75,6 +83,18 @@ class LocalCluster:
                 write_private_file(self._auth_files[name], text)
             self.token, self.token_file = tokens[ADMIN], self._auth_files[ADMIN]
         self._remembered: list[str] = []
+        # TLS: the services' files and the clients' (the workers', this process's), or plaintext.
+        self.tls_dir: Path | None = None
+        self.client_tls: tls.TlsFiles | None = None
+        if tls_certs:
+            self.tls_dir = Path(self._tmp.name) / "tls" if tls_certs is True else Path(tls_certs)
+            if tls_certs is True:
+                make_certs(self.tls_dir, ["127.0.0.1", "localhost"])
+            self.client_tls = tls.TlsFiles(
+                self.tls_dir / "client.pem", self.tls_dir / "client-key.pem", self.tls_dir / "ca.pem"
+            )
+        self.tls_client_auth = tls_client_auth
+        self.port = port
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.coordinator: subprocess.Popen | None = None
@@ -99,6 +119,10 @@ class LocalCluster:
             "GRADPS_INSECURE",
             "GRADPS_BIND",
             "GRADPS_ALLOW_IMPORT",
+            tls.TLS_CERT_ENV,
+            tls.TLS_KEY_ENV,
+            tls.TLS_CA_ENV,
+            tls.TLS_CLIENT_AUTH_ENV,
         ):
             env.pop(key, None)
         # Likewise metrics: one fixed port set for a single service would collide here.
@@ -144,11 +168,12 @@ class LocalCluster:
         self.coordinator = self._spawn(
             "coordinator",
             "ps_server.coordinator",
-            "--port=0",
+            f"--port={self.port}",
             f"--port-file={port_file}",
             f"--heartbeat-timeout={self.heartbeat_timeout_s}",
             *state,
             *self._secret_args(),
+            *self._tls_args(),
             *(f"--allow-import={prefix}" for prefix in self.allow_import),
         )
         self.address = f"127.0.0.1:{self._port(port_file, self.coordinator)}"
@@ -172,7 +197,10 @@ class LocalCluster:
             f"--coordinator={self.address}",
             "--advertise-host=127.0.0.1",
             f"--device={self.device}",
+            # The shards' checkpoints go in the state dir too, each under its index.
+            *([f"--state-dir={self.state_dir}", f"--shard-id=local-{i}"] if self.state_dir else []),
             *self._secret_args(),
+            *self._tls_args(),
         )
         self.shards.append(p)
         port = self._port(port_file, p)  # registered once the port file exists
@@ -188,12 +216,23 @@ class LocalCluster:
     def _secret_args(self) -> list[str]:
         return [f"--secret-file={self._auth_files['secret']}"] if self._auth_files else []
 
+    def _tls_args(self, service: bool = True) -> list[str]:
+        """A service's TLS options (`service`), or a worker's."""
+        if self.tls_dir is None:
+            return []
+        name = "service" if service else "client"
+        files = [f"--tls-cert={self.tls_dir / name}.pem", f"--tls-key={self.tls_dir / name}-key.pem"]
+        auth = ["--tls-client-auth"] if service and self.tls_client_auth else []
+        return [*files, f"--tls-ca={self.tls_dir / 'ca.pem'}", *auth]
+
     def _remember(self, address: str) -> None:
         """This process's channels to `address` (SDK, CLI, tests) send the admin token, and so do
-        this user's other commands (the token store) while the cluster runs."""
+        this user's other commands (the token store) while the cluster runs; they use the
+        cluster's TLS, or plaintext."""
+        tls.remember(address, self.client_tls)
+        self._remembered.append(address)
         if self.token:
             remember(address, self.token)
-            self._remembered.append(address)
             try:
                 store_token(address, self.token)
             except OSError:  # a read-only home: other commands then need GRADPS_TOKEN_FILE
@@ -208,6 +247,7 @@ class LocalCluster:
             f"--device={self.device}",
             f"--transport={self.transport}",
             *([f"--token-file={self._auth_files[WORKER]}"] if self._auth_files else []),
+            *self._tls_args(service=False),
             *(f"--allow-import={prefix}" for prefix in self.allow_import),
         )
         self.workers.append(p)
@@ -229,6 +269,7 @@ class LocalCluster:
                 codes.append(p.wait())
         for address in self._remembered:
             forget(address)
+            tls.forget(address)
             unstore_token(address)
         self._remembered.clear()
         self._tmp.cleanup()

@@ -6,11 +6,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
+from client import run_figures
 from client.sdk import Client, GradpsError
+from client.tensorboard import RunBoard
 from gradps.codecs import format_codec
 from gradps.v1 import coordinator_pb2 as cpb
 
@@ -18,12 +27,10 @@ _ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
 
 
 def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dict[str, Any]:
-    """The numbers a user compares runs by, from the run's last status."""
+    """The numbers a user compares runs by, from the run's last status (client.run_figures)."""
     latest = list(run.latest)
     wall = (run.finished_at or run.started_at) - run.started_at if run.started_at else 0.0
-    pushes = sum(m.pushes for m in latest)
-    rates = [m.samples / m.elapsed_s if m.elapsed_s > 0 else 0.0 for m in sorted(latest, key=lambda m: m.rank)]
-    busy = sum(m.elapsed_s for m in latest)
+    rates = run_figures.rates_by_rank(latest)
     return {
         "run_id": run.run_id,
         "state": cpb.RunState.Name(run.state).removeprefix("RUN_STATE_").lower(),
@@ -38,40 +45,65 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
         "steps": max((m.step for m in latest), default=0),
         "total_steps": run.total_steps,
         "wall_seconds": round(wall, 3),
-        # Sum of each worker's own rate: a straggler that finishes last does not hide the others'.
-        "samples_per_second": round(sum(rates), 1),
-        # Each rank's own rate, by rank: shows a straggler, and whether the others waited for it.
-        "samples_per_second_by_rank": [round(rate, 1) for rate in rates],
+        "samples_per_second": round(sum(rates.values()), 1),
+        "samples_per_second_by_rank": [round(rate, 1) for rate in rates.values()],
         "final_test_accuracy": final.test_accuracy if final is not None else None,
         "final_test_loss": final.test_loss if final is not None else None,
-        "final_loss": sum(m.loss for m in latest) / len(latest) if latest else None,
+        "final_loss": run_figures.mean_loss(latest),
         "bytes_pushed": sum(m.bytes_pushed for m in latest),
         "bytes_pulled": sum(m.bytes_pulled for m in latest),
-        "mean_staleness": sum(m.staleness_sum for m in latest) / pushes if pushes else 0.0,
+        "mean_staleness": run_figures.mean_staleness(latest) or 0.0,
         "max_staleness": max((m.staleness_max for m in latest), default=0),
-        "wait_fraction": sum(m.wait_s for m in latest) / busy if busy > 0 else 0.0,
+        "wait_fraction": run_figures.wait_fraction(latest) or 0.0,
     }
 
 
 def run_progress(console: Console, disable: bool = False) -> Progress:
-    """A progress display of runs: steps done of the total (shown as `?` until the run is placed)."""
+    """A progress display of runs that fits 80 columns: scheme, a bar that takes what is left,
+    steps done of the total (`?` until the run is placed), loss, test accuracy, samples/s, time
+    spent and time left."""
     return Progress(
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("step"),
+        BarColumn(bar_width=None),
         MofNCompleteColumn(),
         TextColumn("{task.fields[stats]}"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(compact=True),
         console=console,
         disable=disable,
         transient=False,
+        expand=True,
     )
 
 
-def follow(client: Client, run_id: str, out_dir: Path, show_progress: bool = True) -> dict[str, Any]:
-    """Watch a run to its end, writing metrics.jsonl as events arrive and summary.json at the end."""
+def metrics_row(m: cpb.Metrics) -> dict[str, Any]:
+    """One line of metrics.jsonl: every field, numbers as numbers, null where not evaluated."""
+    row: dict[str, Any] = {}
+    for field in m.DESCRIPTOR.fields:
+        value = getattr(m, field.name)
+        if field.name in ("test_accuracy", "test_loss") and value < 0:
+            value = None  # the worker did not evaluate at this report
+        elif isinstance(value, bytes):
+            value = value.hex()
+        row[field.name] = value
+    return row
+
+
+def follow(
+    client: Client,
+    run_id: str,
+    out_dir: Path,
+    show_progress: bool = True,
+    tensorboard: Path | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Watch a run to its end, writing metrics.jsonl as events arrive and summary.json at the end;
+    with `tensorboard`, its curves as event files there too (client.tensorboard). Progress and
+    notices (the run starts, a worker dies) go to `console`, stderr by default."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=True)
+    board = RunBoard(tensorboard) if tensorboard is not None else None
+    console = console or Console(stderr=True)
     shards = len(client.cluster().shards)
     final: cpb.Metrics | None = None
     curve: list[dict[str, Any]] = []
@@ -80,44 +112,84 @@ def follow(client: Client, run_id: str, out_dir: Path, show_progress: bool = Tru
         open(out_dir / "metrics.jsonl", "w") as log,
         run_progress(console, disable=not show_progress) as progress,
     ):
-        waiting = f"waiting for {run.spec.workers} workers" if run.state == cpb.RUN_STATE_PENDING else "starting"
-        task = progress.add_task(f"{run.spec.scheme} {run_id}", total=run.total_steps or None, stats=waiting)
-        accuracy = float("nan")
+        notices = _Notices(progress.console if show_progress else console, run)
+        notices.console.print(f"run {run_id}: {run.spec.scheme}, {_count(run.spec.workers, 'worker')}")
+        waiting = f"waiting for {_count(run.spec.workers, 'worker')}" if run.state == cpb.RUN_STATE_PENDING else ""
+        task = progress.add_task(run.spec.scheme, total=run.total_steps or None, stats=waiting or "starting")
+        accuracy: float | None = None
         try:
             for event in client.watch(run_id):
                 run = event.run
+                notices.update(run)
                 if event.HasField("metrics"):
                     m = event.metrics
-                    row = MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-                    log.write(json.dumps(row) + "\n")
+                    log.write(json.dumps(metrics_row(m)) + "\n")
                     log.flush()
+                    if board is not None:
+                        board.add(run, m)
                     if m.test_accuracy >= 0:
                         accuracy = m.test_accuracy
                         curve.append({"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy})
                     if m.done and m.test_accuracy >= 0:
                         final = m
-                latest = list(run.latest)
-                if latest:
-                    elapsed = max(m.elapsed_s for m in latest)
-                    rate = sum(m.samples for m in latest) / elapsed if elapsed > 0 else 0.0
-                    loss = sum(m.loss for m in latest) / len(latest)
-                    progress.update(
-                        task,
-                        total=run.total_steps or None,
-                        completed=sum(m.step for m in latest) / len(latest),
-                        stats=f"loss {loss:.4f}  test acc {accuracy:.4f}  {rate:,.0f} samples/s",
-                    )
-                elif run.state == cpb.RUN_STATE_RUNNING:
-                    progress.update(task, total=run.total_steps or None, stats="starting")
+                _show(progress, task, run, accuracy)
                 if run.state in _ENDED:
                     break
         except (KeyboardInterrupt, SystemExit):
             _stop_interrupted(client, run_id)
             raise
+        finally:
+            if board is not None:
+                board.close()
     summary = summarize(run, final, shards)
     summary["accuracy_curve"] = curve
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+class _Notices:
+    """One line above the progress bar when a run starts, and when a worker of it dies."""
+
+    def __init__(self, console: Console, run: cpb.RunStatus) -> None:
+        self.console = console
+        self.started = run.state != cpb.RUN_STATE_PENDING
+        self.dead = set(run.dead_workers)
+
+    def update(self, run: cpb.RunStatus) -> None:
+        if not self.started and run.state == cpb.RUN_STATE_RUNNING:
+            self.started = True
+            workers = ", ".join(map(str, run.workers))
+            self.console.print(f"run {run.run_id} started: {run.spec.scheme} on workers {workers}")
+        for worker_id in sorted(set(run.dead_workers) - self.dead):
+            self.dead.add(worker_id)
+            step = next((m.step for m in run.latest if m.worker_id == worker_id), 0)
+            live = len(run.workers) - len(self.dead)
+            self.console.print(
+                f"[yellow]worker {worker_id} died at step {step} (no heartbeat); {live} of {len(run.workers)} go on"
+            )
+
+
+def _show(progress: Progress, task: TaskID, run: cpb.RunStatus, accuracy: float | None) -> None:
+    latest = list(run.latest)
+    if latest:
+        loss, rate = run_figures.mean_loss(latest), run_figures.samples_per_second(latest)
+        acc = f"{accuracy:.3f}" if accuracy is not None else "-"
+        progress.update(
+            task,
+            total=run.total_steps or None,
+            completed=run_figures.mean_step(latest),
+            stats=f"loss {loss:.3f} acc {acc} {_rate(rate)}",
+        )
+    elif run.state == cpb.RUN_STATE_RUNNING:
+        progress.update(task, total=run.total_steps or None, stats="starting")
+
+
+def _rate(samples_per_second: float) -> str:
+    if samples_per_second >= 10_000:
+        return f"{samples_per_second / 1000:.0f}k/s"
+    if samples_per_second >= 1000:
+        return f"{samples_per_second / 1000:.1f}k/s"
+    return f"{samples_per_second:.0f}/s"
 
 
 def _stop_interrupted(client: Client, run_id: str) -> None:
@@ -132,16 +204,44 @@ def _stop_interrupted(client: Client, run_id: str) -> None:
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
-    """A two-column table of a run's summary."""
+    """What a user reads of a run: its outcome (a failed run's reason), what ran, how fast, how
+    well, in human units, leaving out what does not apply (staleness of a sync run, accuracy never
+    evaluated). summary.json keeps every figure."""
     from rich.table import Table
 
-    table = Table(title=f"run {summary['run_id']} — {summary['state']}", show_header=False)
-    for key, value in summary.items():
-        if key in ("run_id", "accuracy_curve"):
-            continue
-        if isinstance(value, float):
-            value = f"{value:,.4f}"
-        elif isinstance(value, int) and key.startswith("bytes"):
-            value = f"{value:,}"
-        table.add_row(key, str(value))
+    s = summary
+    table = Table(title=f"run {s['run_id']}: {s['state']}", show_header=False, box=None, padding=(0, 2))
+    row = table.add_row
+    if s["message"]:
+        row("reason" if s["state"] != "completed" else "note", s["message"])
+    row("run", f"{s['scheme']}, {s['model']} on {s['dataset']}, codec {s['codec']}")
+    dead = f" ({len(s['dead_workers'])} died: {', '.join(map(str, s['dead_workers']))})" if s["dead_workers"] else ""
+    row("cluster", f"{_count(s['workers'], 'worker')}{dead}, {_count(s['shards'], 'shard')}")
+    row("steps", f"{s['steps']:,} of {s['total_steps']:,}" if s["total_steps"] else f"{s['steps']:,}")
+    if s["steps"]:
+        row("time", f"{s['wall_seconds']:.1f} s")
+        rates = s["samples_per_second_by_rank"]
+        by_rank = f" (by rank: {', '.join(f'{r:,.0f}' for r in rates)})" if len(rates) > 1 else ""
+        row("samples/s", f"{s['samples_per_second']:,.0f}{by_rank}")
+    if s["final_test_accuracy"] is not None:
+        row("test accuracy", f"{s['final_test_accuracy']:.4f} (loss {s['final_test_loss']:.4f})")
+    if s["final_loss"] is not None:
+        row("training loss", f"{s['final_loss']:.4f}")
+    if s["bytes_pushed"] or s["bytes_pulled"]:
+        row("traffic", f"{_bytes(s['bytes_pushed'])} pushed, {_bytes(s['bytes_pulled'])} pulled")
+    if s["max_staleness"]:
+        row("staleness", f"{s['mean_staleness']:.2f} versions on average, at most {s['max_staleness']}")
+    if s["wait_fraction"]:
+        row("waiting", f"{s['wait_fraction']:.0%} of the time, in exchanges with the shards")
     (console or Console()).print(table)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"

@@ -10,6 +10,7 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
+from gradps.auth.tls import TlsFiles
 from gradps.channel import open_channel
 from gradps.codecs import parse_codec
 from gradps.parameter_client import copy_part_into
@@ -75,11 +76,15 @@ def _describe(e: grpc.RpcError, address: str) -> GradpsError:
 class Client:
     """Talks to one coordinator."""
 
-    def __init__(self, coordinator: str, timeout_s: float = 30.0, token: str | None = None) -> None:
-        """`token`: an admin token (default: `gradps.auth.client_tokens.client_token`'s: GRADPS_TOKEN, ...)."""
+    def __init__(
+        self, coordinator: str, timeout_s: float = 30.0, token: str | None = None, tls: TlsFiles | None = None
+    ) -> None:
+        """`token`: an admin token (default: `gradps.auth.client_tokens.client_token`'s: GRADPS_TOKEN, ...);
+        `tls`: the CA (and for mTLS the certificate) to connect with (default: `gradps.auth.tls.client_tls`'s:
+        GRADPS_TLS_CA, ...)."""
         self.address = coordinator
         self.timeout_s = timeout_s
-        self._channel = open_channel(coordinator, token)
+        self._channel = open_channel(coordinator, token, tls)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
     def close(self) -> None:

@@ -24,12 +24,28 @@ R = TypeVar("R")
 class FiniteFloat(click.FloatRange):
     """click.FloatRange that also refuses nan and inf, which pass its comparisons."""
 
-    name = "finite float range"
+    name = "number"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+class Count(click.IntRange):
+    """An integer at least `min` that a protobuf field of `max` (its width) carries: --help shows
+    the bound a user means ("x>=1"), not the width ("1<=x<=18446744073709551615")."""
+
+    name = "integer"
+
+    def _describe_range(self) -> str:  # what --help shows
+        return f"x>={self.min}" if self.min is not None else ""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        number = int(click.INT.convert(value, param, ctx))
+        if (self.min is not None and number < self.min) or (self.max is not None and number > self.max):
+            self.fail(f"{number} is not in the range {click.IntRange._describe_range(self)}.", param, ctx)
         return number
 
 

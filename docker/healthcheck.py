@@ -7,6 +7,8 @@
 
 Exits 0 when healthy and 1 otherwise (Docker's contract), with one line on stderr saying why.
 A worker serves no port of its own, so its health is what matters to a run: being a live member.
+With GRADPS_TLS_CA set it connects in TLS, presenting GRADPS_TLS_CERT/KEY where they are set (the
+service's own certificate, which `gradps certs` makes valid for loopback too).
 """
 
 from __future__ import annotations
@@ -15,17 +17,31 @@ import argparse
 import os
 import socket
 import sys
+from pathlib import Path
 
 import grpc
 
 _TIMEOUT_S = 3.0
 
 
+def _channel(address: str) -> grpc.Channel:
+    """A channel to `address`, in TLS when GRADPS_TLS_CA names a CA file."""
+    if not os.environ.get("GRADPS_TLS_CA"):
+        return grpc.insecure_channel(address)
+
+    def read(name: str) -> bytes | None:
+        path = os.environ.get(name)
+        return Path(path).read_bytes() if path else None
+
+    credentials = grpc.ssl_channel_credentials(read("GRADPS_TLS_CA"), read("GRADPS_TLS_KEY"), read("GRADPS_TLS_CERT"))
+    return grpc.secure_channel(address, credentials)
+
+
 def _check_server(address: str, service: str) -> str | None:
     """None when `address` answers SERVING for `service`, else why not."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         request = health_pb2.HealthCheckRequest(service=service)
         response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=_TIMEOUT_S)
     if response.status != health_pb2.HealthCheckResponse.SERVING:
@@ -37,7 +53,7 @@ def _check_worker(coordinator: str, name: str) -> str | None:
     """None when the coordinator lists a live worker called `name`, else why not."""
     from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-    with grpc.insecure_channel(coordinator) as channel:
+    with _channel(coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         cluster = stub.GetCluster(coordinator_pb2.GetClusterRequest(), timeout=_TIMEOUT_S)
     if any(w.name == name and w.alive for w in cluster.workers):
@@ -66,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             problem = _check_server(address, args.service) if address else "no --address and no GRADPS_PORT"
     except grpc.RpcError as e:
         problem = f"{e.code().name}: {e.details()}"
+    except OSError as e:  # a TLS file that cannot be read
+        problem = f"{e.filename}: {e.strerror or e}"
     if problem:
         print(f"unhealthy: {problem}", file=sys.stderr)
         return 1

@@ -1,55 +1,42 @@
-"""Your own training script as a gradps worker: wrap the model, call `trainer.step()` per batch.
+"""Your own model, data and loop as the workers of a gradps run (as torchrun runs a DDP script):
 
-It starts its own cluster (a local coordinator and 2 shards, no worker processes), submits a run
-for one worker, and is that worker:
+    gradps launch --workers 2 --epochs 10 examples/own_training_loop.py
 
-    python examples/own_training_loop.py
-
-The loop below is plain PyTorch; gradps only adds `Trainer(...)`, `start()`, `step()`, `finish()`.
+A small CNN with BatchNorm on the digits that ship with scikit-learn, a torch DataLoader and
+torch.optim.SGD with momentum: gradps adds init(), DistributedOptimizer(...) and batches(...).
 """
-
-from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
-from client.local_cluster import LocalCluster
-from client.sdk import Client
-from gpu_worker.trainer import Trainer
+import gradps
 from gradps.datasets import load_dataset
-from gradps.evaluation import evaluate
-from gradps.v1 import run_pb2
-from gradps.worker_session import WorkerSession
 
 
-def main() -> None:
-    data = load_dataset("digits")  # any tensors work; this one ships with scikit-learn
-    with LocalCluster(shards=2, workers=0) as cluster, Client(cluster.address) as client:
-        run_id = client.submit(
-            run_pb2.RunSpec(
-                scheme="asgd",
-                workers=1,
-                model="mlp",
-                steps=600,
-                optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1, momentum=0.9),
-            )
-        )
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
-        session = WorkerSession(cluster.address, name="my-script")
-        assignment = session.wait_for_assignment(wait_s=30)
-        assert assignment is not None and assignment.run_id == run_id
-        trainer = Trainer(model, session, assignment, total_steps=600, evaluate=lambda m: evaluate(m, data))
-        trainer.start()
-        for _ in range(600):
-            idx = torch.randint(0, len(data.train_x), (32,))
-            loss = nn.functional.cross_entropy(model(data.train_x[idx]), data.train_y[idx])
-            loss.backward()
-            trainer.step(loss.item(), samples=32)
-        final = trainer.finish()
-        session.close()
-        print(f"run {run_id}: test accuracy {final.test_accuracy:.4f} after {final.step} steps")
+def model() -> nn.Module:
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 10),
+    )  # fmt: skip
+
+
+def data() -> tuple[TensorDataset, TensorDataset]:
+    digits = load_dataset("digits")  # tensors: (N, 64) pixels in [0, 1], labels 0-9
+    return TensorDataset(digits.train_x, digits.train_y), TensorDataset(digits.test_x, digits.test_y)
 
 
 if __name__ == "__main__":
-    main()
+    gradps.init()
+    train, test = data()
+    sampler = DistributedSampler(train, num_replicas=gradps.world_size(), rank=gradps.rank())  # this rank's share
+    loader = DataLoader(train, batch_size=32, sampler=sampler)
+    net = model()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    optimizer = gradps.DistributedOptimizer(sgd, net, test_data=test)  # the shards apply this SGD
+    for x, y in gradps.batches(loader):  # --steps, or --epochs passes over the loader
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step(loss=loss)  # the run's step: net now holds the run's weights

@@ -12,11 +12,12 @@ import grpc
 import torch
 
 from gpu_worker.trainer import Trainer
-from gradps.auth.options import allow_import_option, option_token, token_options
-from gradps.channel import coordinator_option, log_level_option, metrics_options, serve_metrics
+from gradps.auth.options import allow_import_option, client_tls_options, option_token, token_options, use_client_tls
+from gradps.channel import coordinator_option, metrics_options, serve_metrics
 from gradps.datasets import ShardSampler, load_dataset
 from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
+from gradps.logs import configure_logging, log_options, set_log_context
 from gradps.models import build_model
 from gradps.parameter_client import TRANSPORTS
 from gradps.run_spec import total_steps
@@ -109,6 +110,7 @@ def serve(
                 lost = False
             if assignment is None:
                 continue
+            set_log_context(run_id=assignment.run_id, worker_id=session.worker_id)
             _LOGGER.info("run %s: rank %d of %d", assignment.run_id, assignment.rank, assignment.world)
             try:
                 train(session, assignment, device, stop, transport, allow_import)
@@ -118,6 +120,8 @@ def serve(
                     session.report(assignment.run_id, _failure(e))
                 except (grpc.RpcError, RunAbandoned):
                     pass
+            finally:
+                set_log_context(run_id=None)
     finally:
         session.close()
 
@@ -154,8 +158,9 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
 )
 @allow_import_option
 @token_options
+@client_tls_options
 @metrics_options
-@log_level_option
+@log_options
 def main(
     coordinator: str,
     device: str,
@@ -165,13 +170,18 @@ def main(
     allow_import: tuple[str, ...],
     token: str | None,
     token_file: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
     metrics_port: int,
     metrics_host: str,
     metrics_port_file: str | None,
     log_level: str,
+    log_format: str,
 ) -> None:
     """gradps worker: joins the coordinator and trains the runs assigned to it."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+    configure_logging("worker", log_level, log_format)
+    use_client_tls(tls_cert, tls_key, tls_ca)
     serve_metrics(metrics_port, metrics_host, metrics_port_file)  # what its Trainer records
     torch.set_num_threads(threads)
     stop = threading.Event()

@@ -18,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gradps.auth.access import AuthInterceptor
 from gradps.auth.client_tokens import TokenSource, client_token, with_token
+from gradps.auth.limits import DEFAULT_MAX_CALLS_PER_CALLER, CallLimitInterceptor
+from gradps.auth.tls import TlsFiles, channel_credentials, client_tls, server_credentials
 from gradps.auth.tokens import ClusterSecret
 from gradps.errors import StatusInterceptor
 from gradps.metrics import ServerMetricsInterceptor, serving_metrics, start_endpoint
@@ -75,27 +77,37 @@ def tune_allocator() -> bool:
     return _allocator_tuned
 
 
-def open_channel(address: str, token: TokenSource = None) -> grpc.Channel:
+def open_channel(address: str, token: TokenSource = None, tls: TlsFiles | None = None) -> grpc.Channel:
     """A channel to `address` ("host:port") with gradps's message limits, sending `token` (a
     string, or a function asked per call) as `authorization: Bearer` with every call; without one,
-    `gradps.auth.client_tokens.client_token` finds it (GRADPS_TOKEN, GRADPS_TOKEN_FILE, ...)."""
+    `gradps.auth.client_tokens.client_token` finds it (GRADPS_TOKEN, GRADPS_TOKEN_FILE, ...).
+    TLS with `tls`; without, where `gradps.auth.tls.client_tls` finds it (GRADPS_TLS_CA, ...)."""
     tune_allocator()
-    channel = grpc.insecure_channel(address, options=_OPTIONS)
+    tls = tls or client_tls(address)
+    if tls is None:
+        channel = grpc.insecure_channel(address, options=_OPTIONS)
+    else:
+        channel = grpc.secure_channel(address, channel_credentials(tls), options=_OPTIONS)
     return with_token(channel, token if token is not None else client_token(address))
 
 
-def make_server(max_workers: int = 32, secret: ClusterSecret | None = None) -> grpc.Server:
+def make_server(
+    max_workers: int = 32,
+    secret: ClusterSecret | None = None,
+    max_calls_per_caller: int = DEFAULT_MAX_CALLS_PER_CALLER,
+) -> grpc.Server:
     """A threaded gRPC server with gradps's message limits, whose handlers refuse a request by
     raising a `gradps.errors.GradpsError` (StatusInterceptor); health is added by `add_health`.
     In a process that serves metrics (`serve_metrics` first), every call is counted for
     Prometheus (gradps.metrics), outermost so that its code is the one the client sees. With
     `secret`, every call but health checks needs a token of a role that may make it
-    (gradps.auth.access.AuthInterceptor); without, every call is accepted."""
+    (gradps.auth.access.AuthInterceptor); without, every call is accepted. One caller has at
+    most `max_calls_per_caller` calls in flight (gradps.auth.limits, inside the token check)."""
     tune_allocator()
     executor = futures.ThreadPoolExecutor(max_workers=max_workers)
     auth = (AuthInterceptor(secret),) if secret is not None else ()
     counted = (ServerMetricsInterceptor(),) if serving_metrics() else ()
-    interceptors = (*counted, *auth, StatusInterceptor())
+    interceptors = (*counted, *auth, CallLimitInterceptor(max_calls_per_caller), StatusInterceptor())
     return grpc.server(executor, options=_OPTIONS, interceptors=interceptors)
 
 
@@ -108,11 +120,16 @@ def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthSe
     return servicer
 
 
-def bind(server: grpc.Server, port: int, host: str = DEFAULT_BIND) -> int:
-    """Bind `host:port` (0 picks a free port) and return the bound port; OSError if it cannot."""
+def bind(server: grpc.Server, port: int, host: str = DEFAULT_BIND, tls: TlsFiles | None = None) -> int:
+    """Bind `host:port` (0 picks a free port) and return the bound port; OSError if it cannot.
+    With `tls`, the port serves TLS only, its certificate read again when its files change
+    (gradps.auth.tls.server_credentials; TlsError when they cannot be used)."""
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 address
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if tls is not None:
+            bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpcio >= 1.5x raises where older versions returned 0
         bound = 0
     if bound == 0:
@@ -178,17 +195,6 @@ def port_file_option(fn: Callable) -> Callable:
         default=None,
         callback=_port_file,
         help="Write the bound port here.",
-    )(fn)
-
-
-def log_level_option(fn: Callable) -> Callable:
-    """A service's `--log-level` (GRADPS_LOG_LEVEL)."""
-    return click.option(
-        "--log-level",
-        envvar="GRADPS_LOG_LEVEL",
-        show_envvar=True,
-        default="INFO",
-        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     )(fn)
 
 

@@ -14,22 +14,29 @@ worker to shard; pull: shard to worker) is used by one call at a time, and every
 with its call number (StreamCall.call). A call that fails for any reason closes the stream: its
 bytes can no longer be framed. The worker then sends payloads inline until it has opened a new one
 (gradps/transport/data_stream.py).
+
+When the shard serves TLS, so does its data port, with the same certificate (gradps/auth/tls.py):
+the worker verifies it as its channel does, and presents the token only inside TLS.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import itertools
 import logging
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from gradps.auth.tls import ServerContexts, TlsError, TlsFiles, client_context
+from gradps.auth.tls_socket import TlsSocket
 from gradps.channel import tune_allocator
 from gradps.errors import DataLost
 
@@ -54,14 +61,14 @@ class StreamError(DataLost):
     shard's handler it ends the call with DATA_LOSS: the worker makes it again inline."""
 
 
-def tune_socket(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket | TlsSocket) -> None:
     """Big buffers, no Nagle delay: a connection that moves tens of MiB per call."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+def recv_exact(sock: socket.socket | TlsSocket, view: memoryview, deadline: float | None = None) -> None:
     """Fill `view` from `sock`; StreamError if the peer closes first. With `deadline` (a
     time.monotonic() value) the whole fill must end by then (TimeoutError), however the peer
     spreads its bytes; without, each receive has the socket's timeout."""
@@ -79,7 +86,7 @@ class DataStream:
     """One worker's connection to one shard in one run. `sending` and `receiving` claim a
     direction for one call."""
 
-    def __init__(self, sock: socket.socket, stream_id: int) -> None:
+    def __init__(self, sock: socket.socket | TlsSocket, stream_id: int) -> None:
         self.id = stream_id
         # One socket object per direction, so that each has its own timeout (the calls in the two
         # directions have their own deadlines); both are the same connection.
@@ -92,20 +99,26 @@ class DataStream:
         self.closed = False
 
     @classmethod
-    def connect(cls, host: str, port: int, token: bytes, stream_id: int, timeout_s: float) -> DataStream:
-        """The worker's end: connect to the shard's data port and present `token`."""
+    def connect(
+        cls, host: str, port: int, token: bytes, stream_id: int, timeout_s: float, tls: TlsFiles | None = None
+    ) -> DataStream:
+        """The worker's end: connect to the shard's data port and present `token` (inside TLS
+        with `tls`, the server verified as the worker's channel verifies it)."""
         try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
+            raw = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as e:
             raise StreamError(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+        sock: socket.socket | TlsSocket = raw
         try:
-            tune_socket(sock)
+            tune_socket(raw)
+            if tls is not None:
+                sock = TlsSocket.client(raw, client_context(tls), host)
             sock.sendall(token)
             answer = bytearray(1)
             recv_exact(sock, memoryview(answer))
             if bytes(answer) != _ATTACHED:
                 raise StreamError(f"the shard answered {bytes(answer)!r} to the token")
-        except (OSError, StreamError) as e:
+        except (OSError, StreamError, TlsError) as e:  # ssl.SSLError is an OSError
             sock.close()
             raise StreamError(f"data stream to {host}:{port} refused: {e}") from None
         return cls(sock, stream_id)
@@ -178,7 +191,7 @@ class _CallIO:
         self._deadline = time.monotonic() + timeout_s
         self.started = False
 
-    def _socket(self, direction: str) -> socket.socket:
+    def _socket(self, direction: str) -> socket.socket | TlsSocket:
         sock = self.stream._sockets[direction]
         sock.settimeout(max(0.001, self._deadline - time.monotonic()))
         return sock
@@ -233,17 +246,16 @@ class CallReceiver(_CallIO):
 
 class StreamListener:
     """The shard's end: accepts data streams on one port. `expect` announces a stream (OpenStream)
-    and names the function that attaches its connection once it presents the token."""
+    and names the function that attaches its connection once it presents the token. `host`: the
+    address to listen on ("": every one), as the shard's gRPC port; `tls`: serve TLS only."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, host: str = "", tls: TlsFiles | None = None) -> None:
         # Before the accept thread, as make_server and open_channel do before theirs: a thread that
         # allocates before the one-arena setting keeps an arena of its own, and a shard's decoded
         # pushes then pile up in two (tests/test_shard_memory.py).
         tune_allocator()
-        # Every address, as the gRPC port binds [::]; IPv4 alone where the host has no IPv6.
-        dual = socket.has_dualstack_ipv6()
-        family = socket.AF_INET6 if dual else socket.AF_INET
-        self._server = socket.create_server(("", port), family=family, dualstack_ipv6=dual, backlog=64)
+        self._tls = ServerContexts(tls) if tls is not None else None
+        self._server = _listen(host.strip("[]"), port)
         self.port = self._server.getsockname()[1]
         self._pending: dict[bytes, tuple[float, int, Callable[[DataStream], bool]]] = {}
         self._ids = itertools.count(1)
@@ -290,11 +302,18 @@ class StreamListener:
                 conn.close()
                 _LOGGER.warning("data port %d: %s; connection refused", self.port, e)
 
-    def _handshake(self, conn: socket.socket) -> None:
+    def _handshake(self, raw: socket.socket) -> None:
         token = bytearray(TOKEN_BYTES)
+        conn: socket.socket | TlsSocket = raw
+        deadline = time.monotonic() + HANDSHAKE_S
         try:  # within HANDSHAKE_S in all: a token sent a byte at a time must not stretch it
-            recv_exact(conn, memoryview(token), deadline=time.monotonic() + HANDSHAKE_S)
-        except (OSError, StreamError):
+            if self._tls is not None:
+                raw.settimeout(HANDSHAKE_S)
+                conn = TlsSocket.server(raw, self._tls.current())
+            recv_exact(conn, memoryview(token), deadline=deadline)
+        except (OSError, StreamError) as e:  # ssl.SSLError too: a client without TLS, or a wrong certificate
+            if isinstance(e, ssl.SSLError):
+                _LOGGER.info("data stream refused: %s", e.reason or e)
             conn.close()
             return
         finally:
@@ -325,3 +344,15 @@ class StreamListener:
         except OSError:
             pass
         self._server.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on `host` ("" or "::": every address, IPv6 and IPv4 where the host has
+    both; "0.0.0.0": every IPv4 one)."""
+    if host in ("", "::") and socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=64)
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host or "0.0.0.0").version == 6 else socket.AF_INET
+    except ValueError:  # a host name: its IPv4 address
+        family = socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=64)

@@ -88,6 +88,20 @@ SHARD_STALENESS = Histogram(
     buckets=_STALENESS,
 )
 
+SHARD_CHECKPOINT_SECONDS = Histogram(
+    "gradps_shard_checkpoint_seconds",
+    "A checkpoint's time, by phase: snapshot (the run's lock held, pushes wait) and write (in the "
+    "background, files fsynced and renamed).",
+    ["scheme", "phase"],
+    buckets=_SECONDS,
+)
+SHARD_CHECKPOINT_BYTES = Counter(
+    "gradps_shard_checkpoint_bytes", "Bytes of checkpoints a shard wrote (their files).", ["scheme"]
+)
+SHARD_CHECKPOINT_FAILURES = Counter(
+    "gradps_shard_checkpoint_failures", "Checkpoints a shard could not write (a full or read-only disk).", ["scheme"]
+)
+
 # ---- worker --------------------------------------------------------------------------------------
 
 WORKER_STEPS = Counter("gradps_worker_steps", "Training steps a worker completed.", ["scheme"])

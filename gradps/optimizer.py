@@ -191,3 +191,42 @@ def asynchrony_aware(spec: run_pb2.OptimizerSpec, workers: int) -> run_pb2.Optim
         out.lr = spec.lr * (1.0 - out.momentum) / ((1.0 - spec.momentum) * p)
         out.nesterov = out.nesterov and out.momentum > 0
     return out
+
+
+# The torch optimizers a shard can apply, by class name: what `spec_of` translates.
+_TORCH_OPTIMIZERS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw"}
+
+
+def spec_of(optimizer: torch.optim.Optimizer) -> run_pb2.OptimizerSpec:
+    """The OptimizerSpec that makes the shards apply what a torch optimizer would: SGD (lr,
+    momentum, weight_decay, nesterov), Adam and AdamW (lr, betas, eps, weight_decay), read from
+    its param groups. ValueError (one line) for any other optimizer or setting the shards cannot
+    apply. The inverse of `make_optimizer`; schedules are the run's (OptimizerSpec.schedule)."""
+    kind = type(optimizer)
+    name = _TORCH_OPTIMIZERS.get(kind.__name__) if kind.__module__.startswith("torch.optim") else None
+    if name is None:
+        where = "torch.optim" if kind.__module__.startswith("torch.optim") else kind.__module__
+        raise ValueError(f"gradps supports torch.optim.SGD, Adam and AdamW, not {where}.{kind.__qualname__}")
+    groups = optimizer.param_groups
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    if any(s != settings[0] for s in settings[1:]):
+        raise ValueError(f"{kind.__name__}: every param group must have the same settings (the shards apply one)")
+    group = settings[0]
+    for key, refused in (("maximize", True), ("amsgrad", True), ("dampening", 0)):
+        if key in group and group[key] != (refused if key == "dampening" else False):
+            raise ValueError(f"{kind.__name__}({key}={group[key]}) is not supported by the shards' optimizer")
+    spec = run_pb2.OptimizerSpec(lr=float(group["lr"]), weight_decay=float(group["weight_decay"]))
+    if name == "sgd":
+        spec.name = "sgd"
+        spec.momentum = float(group["momentum"])
+        spec.nesterov = bool(group["nesterov"])
+    else:
+        spec.name = "adamw" if name == "adamw" or group.get("decoupled_weight_decay") else "adam"
+        spec.beta1, spec.beta2 = (float(b) for b in group["betas"])
+        spec.eps = float(group["eps"])
+        if spec.beta1 == 0 or spec.eps == 0:  # 0 means the default in an OptimizerSpec
+            raise ValueError(f"{kind.__name__}: beta1 and eps must be > 0 (0 means the default on the shards)")
+    if not 0 < spec.lr < math.inf:
+        raise ValueError(f"{kind.__name__}: learning rate must be a positive number, got {spec.lr}")
+    _validate_terms(spec)  # the schedule is the run's, checked with it
+    return spec

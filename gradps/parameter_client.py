@@ -216,17 +216,23 @@ class ParameterClient:
         return staleness
 
     def group_average(
-        self, values: dict[str, torch.Tensor], step: int, members: list[int], is_global: bool
+        self, values: dict[str, torch.Tensor], step: int, members: list[int], is_global: bool, consensus: bool = False
     ) -> tuple[dict[str, torch.Tensor], int]:
         """wagma: deposit `values` for the round (step, members); returns the round's average and
-        the highest step any worker has deposited (a late worker skips to it)."""
+        the highest step any worker has deposited (a late worker skips to it). With `consensus`,
+        nothing is deposited: the average of every live worker's latest deposit."""
         flat = {name: t.detach().reshape(-1).float() for name, t in values.items()}
         average = {name: torch.empty_like(t) for name, t in values.items()}
         out = {name: t.view(-1) for name, t in average.items()}
         self._pin_segments(flat.values())
         start = time.perf_counter()
         header = shard_pb2.GroupAverageRequest(
-            run_id=self.run_id, worker_id=self.worker_id, step=step, members=members, is_global=is_global
+            run_id=self.run_id,
+            worker_id=self.worker_id,
+            step=step,
+            members=members,
+            is_global=is_global,
+            consensus=consensus,
         )
         frontier = [0]
 

@@ -8,8 +8,12 @@ import math
 from gradps.channel import MAX_MESSAGE_BYTES
 from gradps.v1 import shard_pb2, tensor_pb2
 
-# Bytes per part when a run does not say (RunSpec.part_size).
-DEFAULT_PART_SIZE = 4 * 1024 * 1024
+# gRPC's standard receive limit, which every stock client has unless it raises it.
+STOCK_MESSAGE_BYTES = 4 * 1024 * 1024
+# Bytes per part when a run does not say (RunSpec.part_size): a part and its message's header
+# (at most a few hundred bytes) fit a stock client's receive limit, so a worker in any language
+# pulls and exports with default settings; gradps's own channels take up to MAX_MESSAGE_BYTES.
+DEFAULT_PART_SIZE = STOCK_MESSAGE_BYTES - 64 * 1024
 
 # A part is named by its tensor and its index within the tensor.
 PartKey = tuple[str, int]

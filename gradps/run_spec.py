@@ -8,6 +8,7 @@ import math
 from gradps.channel import MAX_PART_BYTES
 from gradps.codecs import CodecError, get_codec, get_pull_codec
 from gradps.optimizer import validate as validate_optimizer
+from gradps.placement import DEFAULT_PART_SIZE
 from gradps.schemes import DEFAULT_SCHEME, default_params, fill_unset, get_scheme, validate_params
 from gradps.v1 import run_pb2, tensor_pb2
 
@@ -19,45 +20,52 @@ MAX_WORKERS = 4096
 MAX_STEPS = 2**40
 # Passes over the data: steps derived from epochs (workers resolve them) stay within uint64.
 MAX_EPOCHS = 1e6
-# Evaluate every this many steps unless told otherwise (in the RunSpec, 0 disables it).
-EVAL_EVERY = 50
-# The step schedule's lr factor when none is given.
-STEP_GAMMA = 0.1
+# THE defaults of a run, listed in proto/gradps/v1/run.proto's header: the coordinator fills them
+# in on submit (`with_defaults`), the CLI's options and the SDK start from them (`default_spec`).
+# Keys are field paths. A field with explicit presence (`optional` in the proto: 0 is a value of
+# its own) takes its default only when absent, any other field when it is 0 or empty. SchemeParams
+# take theirs from the scheme registry (gradps/schemes.py) by the same rule.
+DEFAULTS: dict[str, str | int | float] = {
+    "model": "mlp",
+    "dataset": "digits",
+    "scheme": DEFAULT_SCHEME,
+    "batch_size": 32,
+    "workers": 2,
+    "part_size": DEFAULT_PART_SIZE,
+    "eval_every": 50,
+    "codec.codec": tensor_pb2.CODEC_NONE,
+    "pull_codec.codec": tensor_pb2.CODEC_NONE,
+    "optimizer.name": "sgd",
+    "optimizer.lr": 0.2,
+    "optimizer.schedule": "constant",
+    "optimizer.gamma": 0.1,
+}
+# Passes over the data when neither `steps` nor `epochs` is given.
+DEFAULT_EPOCHS = 50.0
 
 
 def with_defaults(spec: run_pb2.RunSpec) -> run_pb2.RunSpec:
-    """A copy of `spec` with every unset field given its documented default."""
+    """A copy of `spec` with every unset field given its default (DEFAULTS)."""
     out = run_pb2.RunSpec()
     out.CopyFrom(spec)
-    out.model = out.model or "mlp"
-    out.dataset = out.dataset or "digits"
-    out.scheme = out.scheme or DEFAULT_SCHEME
-    opt = out.optimizer
-    opt.name = opt.name or "sgd"
-    if opt.lr == 0:
-        opt.lr = 0.2
-    opt.schedule = opt.schedule or "constant"
-    if opt.schedule == "step" and opt.gamma == 0:
-        opt.gamma = STEP_GAMMA
-    out.batch_size = out.batch_size or 32
+    for path, value in DEFAULTS.items():
+        *outer, name = path.split(".")
+        message = out
+        for field in outer:
+            message = getattr(message, field)
+        has_presence = message.DESCRIPTOR.fields_by_name[name].has_presence
+        if not (message.HasField(name) if has_presence else getattr(message, name)):
+            setattr(message, name, value)
     if out.steps == 0 and out.epochs == 0:
-        out.epochs = 50
-    out.workers = out.workers or 2
-    if out.codec.codec == tensor_pb2.CODEC_UNSPECIFIED:
-        out.codec.codec = tensor_pb2.CODEC_NONE
-    if out.pull_codec.codec == tensor_pb2.CODEC_UNSPECIFIED:
-        out.pull_codec.codec = tensor_pb2.CODEC_NONE
-    out.part_size = out.part_size or 4 * 1024 * 1024
+        out.epochs = DEFAULT_EPOCHS
     fill_unset(out.scheme_params)
     return out
 
 
 def default_spec() -> run_pb2.RunSpec:
-    """The run nobody chose anything for: `with_defaults`, plus the defaults of the fields whose 0
-    is a value of its own (ssp's staleness bound, eval_every, gamma). The CLI's and the SDK's
-    defaults."""
-    optimizer = run_pb2.OptimizerSpec(gamma=STEP_GAMMA)  # ready for a step schedule
-    return with_defaults(run_pb2.RunSpec(eval_every=EVAL_EVERY, optimizer=optimizer, scheme_params=default_params()))
+    """The run nobody chose anything for: every default of DEFAULTS and the scheme registry set.
+    The CLI's and the SDK's defaults."""
+    return with_defaults(run_pb2.RunSpec(scheme_params=default_params()))
 
 
 def validate(spec: run_pb2.RunSpec) -> None:
@@ -90,6 +98,8 @@ def _validate_sizes(spec: run_pb2.RunSpec) -> None:
         raise ValueError(f"epochs must be a number in [0, {MAX_EPOCHS:g}], got {spec.epochs}")
     if not 0 < spec.part_size <= MAX_PART_BYTES:
         raise ValueError(f"part_size must be in (0, 64 MiB], got {spec.part_size}")
+    if not 0 <= spec.checkpoint_every_seconds < math.inf:
+        raise ValueError(f"checkpoint_every_seconds must be a finite number >= 0, got {spec.checkpoint_every_seconds}")
 
 
 def _validate_codecs(spec: run_pb2.RunSpec) -> None:

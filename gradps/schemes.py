@@ -31,6 +31,7 @@ class Param:
     # True when `low` itself is excluded.
     low_open: bool = False
     # True when 0 on the wire means `default` (the proto says "0 means ..."): filled in on submit.
+    # A field with explicit presence (`optional`) takes `default` when absent, whatever this says.
     zero_is_default: bool = False
 
     def check(self, value: float) -> None:
@@ -159,9 +160,13 @@ def default_params(**values: float) -> run_pb2.SchemeParams:
 
 
 def fill_unset(params: run_pb2.SchemeParams) -> None:
-    """Give every field whose 0 means its default (per the proto) that default, in place."""
+    """Give every unset field its default, in place: an absent one where the field has explicit
+    presence (`optional` in the proto: its 0 is a value of its own, as ssp's staleness bound),
+    else one that is 0 where 0 means its default (per the proto)."""
+    fields = run_pb2.SchemeParams.DESCRIPTOR.fields_by_name
     for name, param in PARAMS.items():
-        if param.zero_is_default and not getattr(params, name):
+        unset = not params.HasField(name) if fields[name].has_presence else not getattr(params, name)
+        if unset and (param.zero_is_default or fields[name].has_presence):
             setattr(params, name, param.default)
 
 

@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import Message
 
 from gradps import wire
+from gradps.auth.tls import client_tls
 from gradps.channel import open_channel
 from gradps.data_stream import StreamError
 from gradps.transport import (
@@ -79,7 +80,8 @@ class ShardLink:
             route = SharedMemoryRoute.map(self.stub, run_id, worker_id, self._part_counts, self.timeout_s)
         if route is None and transport != "grpc":
             host = self.address.rsplit(":", 1)[0].strip("[]")
-            route = DataStreamRoute.connect(self.stub, host, run_id, worker_id, self.timeout_s)
+            tls = client_tls(self.address)  # the channel's: streams are inside TLS when it is
+            route = DataStreamRoute.connect(self.stub, host, run_id, worker_id, self.timeout_s, tls)
         self.route = route or Route()
 
     def register(self, header: shard_pb2.RegisterTensorsRequest, items: Iterable[Item]) -> None:

@@ -27,9 +27,12 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _PAYLOAD_FIELD = 7
 # Parts whose payload lies in shared memory or is at most SMALL_PAYLOAD bytes travel together, in a
 # message's repeated `parts` (every streamed message costs grpcio a few thread hand-offs), up to
-# BATCH_BYTES per message; larger payloads travel one per message, framed by hand.
+# BATCH_BYTES per message; larger payloads travel one per message, framed by hand. A batch, with
+# its message's other fields, stays within gRPC's standard 4 MiB receive limit (a stock client's).
 SMALL_PAYLOAD = 256 << 10
-BATCH_BYTES = 4 << 20
+BATCH_BYTES = (4 << 20) - (64 << 10)
+# Bytes a part takes in a message beyond its own encoding: the field's tag and length.
+_PART_FRAMING = 8
 
 
 class WireError(ValueError):
@@ -151,13 +154,16 @@ class PartBatch:
         self._bytes = 0
 
     def add(self, meta: tensor_pb2.TensorPart, payload: Buffer = b"") -> Message | None:
-        """Append `meta` with `payload` (copied); the message to send once it is full, else None."""
+        """Append `meta` with `payload` (copied); the message to send when this part would take
+        the one gathered so far beyond BATCH_BYTES (the part starts the next), else None."""
+        size = meta.ByteSize() + len(payload) + _PART_FRAMING
+        full = self.take() if self._bytes and self._bytes + size > BATCH_BYTES else None
         part = self._message.parts.add()
         part.CopyFrom(meta)
         if len(payload):
             part.payload = bytes(payload)
-        self._bytes += 64 + len(payload)  # ~64 bytes of metadata a part
-        return self.take() if self._bytes >= BATCH_BYTES else None
+        self._bytes += size
+        return full
 
     def take(self) -> Message | None:
         """What was gathered (None when nothing was), and a new message for what follows."""

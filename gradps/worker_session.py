@@ -17,6 +17,8 @@ from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
+# close(): how long LeaveWorker may take; the heartbeat timeout covers a coordinator that is gone.
+_LEAVE_TIMEOUT_S = 2.0
 
 
 class RunAbandoned(Exception):
@@ -117,7 +119,15 @@ class WorkerSession:
                     pass
 
     def close(self) -> None:
+        """Leave the cluster (best effort: a coordinator that does not answer at once declares this
+        worker dead after its heartbeat timeout instead) and close the channels."""
+        if self._closed.is_set():
+            return
         self._closed.set()
+        try:
+            self._stub.LeaveWorker(cpb.LeaveWorkerRequest(worker_id=self.worker_id), timeout=_LEAVE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            _LOGGER.debug("leaving coordinator %s: %s", self.coordinator, e.code().name)
         self._channel.close()
         self._join_channel.close()
         for address in self._remembered:

@@ -18,15 +18,15 @@ import grpc
 from google.protobuf.message import Message
 
 from gradps import metrics, wire
-from gradps.auth.access import issue_worker_token
+from gradps.auth.access import acting_worker, issue_worker_token
 from gradps.auth.client_tokens import set_process_token
-from gradps.auth.options import allow_import_option, secret_options, server_secret
+from gradps.auth.limits import max_calls_option
+from gradps.auth.options import allow_import_option, secret_options, server_secret, service_tls, tls_options
 from gradps.auth.tokens import ADMIN
 from gradps.channel import (
     add_health,
     bind,
     bind_option,
-    log_level_option,
     make_server,
     metrics_options,
     open_channel,
@@ -38,6 +38,7 @@ from gradps.channel import (
     write_port_file,
 )
 from gradps.errors import Ended, Invalid, NotFound, NotNow, PermissionDenied, TooLarge, Unavailable
+from gradps.logs import configure_logging, log_options
 from gradps.placement import place
 from gradps.run_spec import validate, with_defaults
 from gradps.v1 import coordinator_pb2 as cpb
@@ -216,7 +217,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._pending[run_id] = record
             self._event(record)
             self._schedule()
-        _LOGGER.info("run %s submitted: %s/%s/%s", run_id, spec.scheme, spec.model, spec.dataset)
+        _LOGGER.info(
+            "run %s submitted: %s/%s/%s", run_id, spec.scheme, spec.model, spec.dataset, extra={"run_id": run_id}
+        )
         return cpb.SubmitRunResponse(run_id=run_id)
 
     def GetRun(self, request: cpb.GetRunRequest, context: grpc.ServicerContext) -> cpb.GetRunResponse:
@@ -244,7 +247,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     f"run {record.run_id} is {_state_name(record)}: only ended runs are deleted; stop it first"
                 )
             self._delete(record)
-        _LOGGER.info("run %s deleted", request.run_id)
+        _LOGGER.info("run %s deleted", request.run_id, extra={"run_id": request.run_id})
         return cpb.DeleteRunResponse()
 
     def WatchRun(self, request: cpb.WatchRunRequest, context: grpc.ServicerContext) -> Iterator[cpb.WatchRunResponse]:
@@ -333,10 +336,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._workers[worker_id] = WorkerRecord(worker_id, request.name, request.device, time.monotonic())
             self._idle.add(worker_id)
             self._schedule()
-        _LOGGER.info("worker %d joined (%s, %s)", worker_id, request.name, request.device)
+        _LOGGER.info(
+            "worker %d joined (%s, %s)", worker_id, request.name, request.device, extra={"worker_id": worker_id}
+        )
         issue_worker_token(context, worker_id)  # its own token, where it joined with the plain one
         interval_ms = max(50, int(self.heartbeat_timeout_s * 1000 / 5))
         return cpb.JoinWorkerResponse(worker_id=worker_id, heartbeat_interval_ms=interval_ms)
+
+    def LeaveWorker(self, request: cpb.LeaveWorkerRequest, context: grpc.ServicerContext) -> cpb.LeaveWorkerResponse:
+        with self._cond:
+            worker = self._workers.pop(request.worker_id, None)
+            if worker is None:
+                if request.worker_id in self._dead or request.worker_id < self._next_worker_id:
+                    return cpb.LeaveWorkerResponse()  # left, died or forgotten already
+                raise NotFound(f"unknown worker {request.worker_id}; this coordinator never gave that id")
+            # As a worker declared dead (_expire_workers), without waiting for the timeout.
+            self._idle.discard(worker.worker_id)
+            worker.alive = False
+            self._dead[worker.worker_id] = worker
+            record = self._runs.get(worker.run_id)
+            worker.run_id = ""
+            if record is not None and record.status.state == cpb.RUN_STATE_RUNNING:
+                self._drop_member(record, worker.worker_id)
+            self._schedule()
+            self._cond.notify_all()  # its own long poll ends (no assignment)
+        where = f"run {record.run_id}" if record else "idle"
+        _LOGGER.info("worker %d left (%s)", worker.worker_id, where, extra={"worker_id": worker.worker_id})
+        return cpb.LeaveWorkerResponse()
 
     def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
         with self._cond:
@@ -345,8 +371,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 return cpb.HeartbeatResponse(rejoin=True, stop=bool(request.run_id))
             worker.last_seen = time.monotonic()
             record = self._runs.get(request.run_id)
-            stop = bool(request.run_id) and (record is None or record.ended)
-            return cpb.HeartbeatResponse(stop=stop)
+            # A run it is not a live worker of is one to abandon (it rejoined under a new id, or the
+            # run went on without it), as ReportMetrics says: so told, it learns nothing of another.
+            gone = record is None or record.ended or request.worker_id not in record.live
+            return cpb.HeartbeatResponse(stop=bool(request.run_id) and gone)
 
     def GetAssignment(
         self, request: cpb.GetAssignmentRequest, context: grpc.ServicerContext
@@ -381,6 +409,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def GetPlacement(self, request: cpb.GetPlacementRequest, context: grpc.ServicerContext) -> cpb.GetPlacementResponse:
         with self._cond:
             record = self._record(request.run_id)
+            # Only the run's workers (or an admin) define and read its placement.
+            if (worker := acting_worker()) is not None and worker not in record.status.workers:
+                raise PermissionDenied(f"worker {worker} is not a worker of run {record.run_id}")
             if record.status.state != cpb.RUN_STATE_RUNNING:
                 # Shards opened for a pending run know none of its workers (and refuse their
                 # pushes); an ended run has none left to serve.
@@ -424,6 +455,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if m.worker_id not in record.live:
                 # Declared dead (missed heartbeats) but still running: the run went on without it.
                 return cpb.ReportMetricsResponse(stop=True)
+            _check_steps(record, m)  # before anything changes
             record.latest[m.worker_id] = m
             if record.awaiting_workers:
                 record.awaiting_workers = False
@@ -597,7 +629,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         record.status.pending_reason = ""
         self._store.save_workers(record.run_id, [(w, self._workers[w].name, self._workers[w].device) for w in chosen])
         self._event(record)
-        _LOGGER.info("run %s started on workers %s", record.run_id, chosen)
+        _LOGGER.info("run %s started on workers %s", record.run_id, chosen, extra={"run_id": record.run_id})
 
     def _release(self, worker_id: int, run_id: str) -> None:
         """The worker is done with `run_id`: back to the idle pool (when it is still live)."""
@@ -632,7 +664,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._event(record, metrics)
         self._retain()
         self._schedule()
-        _LOGGER.info("run %s ended: %s %s", record.run_id, cpb.RunState.Name(state), message)
+        _LOGGER.info(
+            "run %s ended: %s %s", record.run_id, cpb.RunState.Name(state), message, extra={"run_id": record.run_id}
+        )
 
     def _retain(self) -> None:
         """Delete the ended runs beyond the newest `keep_runs` (by when they ended)."""
@@ -718,15 +752,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def _forgive_silence(self, stalled_s: float) -> None:
         _LOGGER.warning("the coordinator itself stalled %.1f s: heartbeat silence of that long forgiven", stalled_s)
         now = time.monotonic()
-        for heard in (*self._workers.values(), *self._shards.values()):
-            heard.last_seen = min(heard.last_seen + stalled_s, now)
+        for worker in self._workers.values():
+            worker.last_seen = min(worker.last_seen + stalled_s, now)
+        for shard in self._shards.values():
+            shard.last_seen = min(shard.last_seen + stalled_s, now)
 
     def _expire_workers(self, now: float) -> bool:
         """Move workers silent past the timeout to the dead (their run goes on without them), and
         forget the dead after a while or beyond the most kept; True when any died."""
         silent = [w for w in self._workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
         for worker in silent:
-            _LOGGER.warning("worker %d missed heartbeats: declared dead", worker.worker_id)
+            _LOGGER.warning(
+                "worker %d missed heartbeats: declared dead",
+                worker.worker_id,
+                extra=_about(worker.run_id, worker.worker_id),
+            )
             del self._workers[worker.worker_id]
             self._idle.discard(worker.worker_id)
             worker.alive = False
@@ -770,6 +810,27 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return died
 
 
+def _check_steps(record: RunRecord, m: cpb.Metrics) -> None:
+    """Invalid for a report that names other total steps than the run's (resolved from epochs by
+    its first worker, else its spec's); NotNow for a done report before the last of them."""
+    if m.error:  # a failure is heard whatever else the report says
+        return
+    known = record.status.total_steps or record.status.spec.steps
+    if known and m.total_steps and m.total_steps != known:
+        raise Invalid(f"worker {m.worker_id} reported total_steps {m.total_steps}; the run has {known}")
+    steps = known or m.total_steps
+    if m.done and m.step < steps:
+        raise NotNow(
+            f"worker {m.worker_id} reported done at step {m.step} of the run's {steps}: "
+            "done comes with the report after the last step"
+        )
+
+
+def _about(run_id: str, worker_id: int) -> dict[str, object]:
+    """A log line's fields (gradps.logs): the worker, and its run where it has one."""
+    return {"worker_id": worker_id, "run_id": run_id or None}
+
+
 def _state_name(record: RunRecord) -> str:
     return cpb.RunState.Name(record.status.state).removeprefix("RUN_STATE_").lower()
 
@@ -810,6 +871,8 @@ def _check_imports_allowed(spec: run_pb2.RunSpec, allow_import: tuple[str, ...])
 @port_option(50051)
 @bind_option
 @secret_options
+@tls_options
+@max_calls_option
 @allow_import_option
 @click.option(
     "--heartbeat-timeout",
@@ -839,13 +902,18 @@ def _check_imports_allowed(spec: run_pb2.RunSpec, allow_import: tuple[str, ...])
 )
 @port_file_option
 @metrics_options
-@log_level_option
+@log_options
 def main(
     port: int,
     bind_address: str,
     secret_file: str | None,
     secret: str | None,
     insecure: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
+    tls_client_auth: bool,
+    max_calls_per_caller: int,
     allow_import: tuple[str, ...],
     heartbeat_timeout: float,
     keep_runs: int,
@@ -855,11 +923,13 @@ def main(
     metrics_host: str,
     metrics_port_file: str | None,
     log_level: str,
+    log_format: str,
 ) -> None:
     """gradps coordinator: runs, worker membership, placement table and metrics."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s coordinator %(levelname)s %(message)s")
+    configure_logging("coordinator", log_level, log_format)
     cluster_secret = server_secret(secret, secret_file, bind_address, insecure)
     set_process_token(cluster_secret.token(ADMIN) if cluster_secret else None)  # its calls to the shards
+    tls = service_tls(tls_cert, tls_key, tls_ca, tls_client_auth)
     try:  # before the port is bound: a coordinator that cannot keep its runs does not start
         store = RunStore.open(state_dir)
         servicer = CoordinatorServicer(heartbeat_timeout, keep_runs, store)
@@ -868,11 +938,11 @@ def main(
     metrics.watch_coordinator(servicer.census)
     serve_metrics(metrics_port, metrics_host, metrics_port_file)
     servicer.allow_import = allow_import
-    server = make_server(max_workers=64, secret=cluster_secret)
+    server = make_server(max_workers=64, secret=cluster_secret, max_calls_per_caller=max_calls_per_caller)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     add_health(server, ["gradps.v1.CoordinatorService"])
     try:
-        bound = bind(server, port, bind_address)
+        bound = bind(server, port, bind_address, tls)
     except OSError as e:
         raise click.UsageError(f"--port {port}: {e}") from None
     server.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from gradps.channel import MAX_PART_BYTES
@@ -29,6 +30,8 @@ def check_open_run(request: shard_pb2.OpenRunRequest) -> None:
         validate_optimizer(optimizer)
     except ValueError as e:
         raise Invalid(f"optimizer: {one_line(e)}") from None
+    if not 0 <= request.spec.checkpoint_every_seconds < math.inf:  # also false for NaN
+        raise Invalid(f"checkpoint_every_seconds must be finite and >= 0, got {request.spec.checkpoint_every_seconds}")
     if not request.workers:
         raise Invalid("a run needs at least one worker")
     if len(set(request.workers)) != len(request.workers):

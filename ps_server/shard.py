@@ -13,8 +13,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
 
 import click
 import grpc
@@ -22,15 +23,16 @@ import torch
 from google.protobuf.message import Message
 
 from gradps import metrics, wire
+from gradps.auth.access import acting_worker
 from gradps.auth.client_tokens import set_process_token
-from gradps.auth.options import secret_options, server_secret
+from gradps.auth.limits import max_calls_option
+from gradps.auth.options import secret_options, server_secret, service_tls, tls_options
 from gradps.auth.tokens import SHARD
 from gradps.channel import (
     add_health,
     bind,
     bind_option,
     coordinator_option,
-    log_level_option,
     make_server,
     metrics_options,
     open_channel,
@@ -43,12 +45,24 @@ from gradps.channel import (
 from gradps.codecs import CodecError, decode_part, decode_summand, get_pull_codec, is_plain
 from gradps.data_stream import DataStream, StreamListener
 from gradps.device import device_option
-from gradps.errors import AlreadyExists, Ended, Invalid, NotFound, NotNow, TimedOut, TooLarge, one_line
+from gradps.errors import (
+    AlreadyExists,
+    Ended,
+    Invalid,
+    NotFound,
+    NotNow,
+    PermissionDenied,
+    TimedOut,
+    TooLarge,
+    Unavailable,
+)
+from gradps.logs import configure_logging, log_options, set_log_context
 from gradps.placement import PartKey
 from gradps.shared_memory import Segment, SegmentError, check_name
 from gradps.transport import INLINE_IN, Item, Outbound, frame, unframe
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.call_routes import MAX_CLAIM_S, sending
+from ps_server.checkpointing import KEEP, RunCheckpoints, ShardCheckpoints
 from ps_server.pulled import codec_name, fixed_payload, part_meta, pulled_parts
 from ps_server.received import (
     Call,
@@ -62,10 +76,17 @@ from ps_server.received import (
 )
 from ps_server.run_checks import check_open_run, check_part, check_step, check_workers, opened_by
 from ps_server.run_state import Part, Push, RunState
-from ps_server.schemes import RULES, ShardRule
+from ps_server.schemes import ShardRule, open_run
 from ps_server.waiting import call_wait
 
 _LOGGER = logging.getLogger("gradps.shard")
+
+
+def _about(run_id: str) -> dict[str, str]:
+    """A log line's fields (gradps.logs): the run it is about."""
+    return {"run_id": run_id}
+
+
 _DEFAULT_WAIT_S = 60.0
 _NONE = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
 _REGISTER = "RegisterTensors call"
@@ -73,17 +94,30 @@ _REGISTER = "RegisterTensors call"
 _MAX_SEGMENTS_PER_WORKER = 4
 # Likewise data streams.
 _MAX_STREAMS_PER_WORKER = 4
+# The longest CheckpointRun waits for a checkpoint to be written.
+_CHECKPOINT_WAIT_S = 600.0
+# Called with the run's lock held after a push or deposit changed it.
+Changed = Callable[[RunState, ShardRule], None]
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     """Runs by id; each run has its own lock, so runs never contend."""
 
-    def __init__(self, device: torch.device, listener: StreamListener | None = None) -> None:
-        """`listener`: the data port workers on other hosts open streams to (None: no streams)."""
+    def __init__(
+        self, device: torch.device, listener: StreamListener | None = None, checkpoints: ShardCheckpoints | None = None
+    ) -> None:
+        """`listener`: the data port workers on other hosts open streams to (None: no streams).
+        `checkpoints`: where runs are checkpointed (None: nowhere); the runs checkpointed there
+        are served again from their newest complete checkpoint."""
         self.device = device
         self.listener = listener
+        self.checkpoints = checkpoints
         self._runs: dict[str, tuple[RunState, ShardRule]] = {}
+        self._saving: dict[str, RunCheckpoints] = {}
         self._lock = threading.Lock()
+        for run, rule, saving in checkpoints.restore(device) if checkpoints else []:
+            self._runs[run.run_id] = (run, rule)
+            self._saving[run.run_id] = saving
         self._push = Call(shard_pb2.PushRequest, "push", "pushed", _push_header, self._pushed_run, _push_decode)
         self._push_pull = Call(
             shard_pb2.PushPullRequest, "push", "pushed", _push_header, self._pushed_run, _push_decode
@@ -91,10 +125,15 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._deposit = Call(shard_pb2.GroupAverageRequest, "deposit", "deposited", _round_of, self._round_run)
 
     def _run(self, run_id: str) -> tuple[RunState, ShardRule]:
+        """The run `run_id`, for a call by an admin or by one of the run's workers only: a worker's
+        own token opens no other run (PERMISSION_DENIED), whatever worker id its request names."""
         with self._lock:
             found = self._runs.get(run_id)
         if found is None:
             raise NotFound(f"unknown run {run_id!r} on this shard")
+        worker = acting_worker()
+        if worker is not None and worker not in found[0].workers:
+            raise PermissionDenied(f"worker {worker} is not a worker of run {run_id!r}")
         return found
 
     def OpenRun(self, request: shard_pb2.OpenRunRequest, context: grpc.ServicerContext) -> shard_pb2.OpenRunResponse:
@@ -102,13 +141,22 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         with self._lock:
             found = self._runs.get(request.run_id)
         if found is None:
-            run, rule = self._open(request)
+            run, rule = open_run(request, self.device)
             with self._lock:
                 found = self._runs.setdefault(request.run_id, (run, rule))
+                if found[0] is run and self.checkpoints is not None:
+                    self._saving[request.run_id] = self.checkpoints.for_run(request)
             if found[0] is run:
-                _LOGGER.info("run %s: %d parts, %d bytes", request.run_id, len(run.parts), run.param_bytes())
+                _LOGGER.info(
+                    "run %s: %d parts, %d bytes",
+                    request.run_id,
+                    len(run.parts),
+                    run.param_bytes(),
+                    extra=_about(request.run_id),
+                )
                 return shard_pb2.OpenRunResponse()
-        # Opened before: a retry is answered again; anything else would be silently ignored.
+        # Opened before (or restored from a checkpoint: its state is kept): a retry is answered
+        # again; anything else would be silently ignored.
         if not opened_by(found[0], request):
             raise AlreadyExists(
                 f"run {request.run_id!r} is already open on this shard with another spec, placement or "
@@ -116,31 +164,27 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         return shard_pb2.OpenRunResponse()
 
-    def _open(self, request: shard_pb2.OpenRunRequest) -> tuple[RunState, ShardRule]:
-        try:
-            rule_type = RULES[request.spec.scheme]
-            workers = len(request.workers)
-            per_step = rule_type.updates_per_step(request.spec, workers)
-            run = RunState.open(request, self.device, per_step, rule_type.optimizer(request.spec, workers))
-            return run, rule_type(run)
-        except ValueError as e:  # what torch's optimizers refuse (betas, eps out of range)
-            raise Invalid(f"run {request.run_id!r}: {one_line(e)}") from None
-        except (RuntimeError, MemoryError) as e:  # the parts do not fit the device
-            raise TooLarge(f"run {request.run_id!r}: cannot allocate its parts: {one_line(e)}") from None
-
     def CloseRun(self, request: shard_pb2.CloseRunRequest, context: grpc.ServicerContext) -> shard_pb2.CloseRunResponse:
         with self._lock:
             found = self._runs.pop(request.run_id, None)
+            saving = self._saving.pop(request.run_id, None)
         if found is not None:
             with found[0].cond:
                 found[0].close()
+        if saving is not None:
+            saving.remove()
         return shard_pb2.CloseRunResponse()
 
     def EndRun(self, request: shard_pb2.EndRunRequest, context: grpc.ServicerContext) -> shard_pb2.EndRunResponse:
-        run, _ = self._run(request.run_id)
+        run, rule = self._run(request.run_id)
+        with self._lock:
+            saving = self._saving.get(request.run_id)
         with run.cond:
+            first = not run.ended
             run.end()
-        _LOGGER.info("run %s ended", request.run_id)
+            if first and saving is not None and (saving.every_steps or saving.every_s):
+                saving.start(run, rule)  # the state it ended with, for export after a restart
+        _LOGGER.info("run %s ended", request.run_id, extra=_about(request.run_id))
         return shard_pb2.EndRunResponse()
 
     def SetMembership(
@@ -201,7 +245,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         began = time.perf_counter()
         with ExitStack() as claims:
             got = receive(self._push, request_iterator, claims, context)
-        return _apply(got, context, began)
+        return _apply(got, context, began, self._changed)
 
     def PushPull(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         began = time.perf_counter()
@@ -212,7 +256,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         pull.CopyFrom(got.header.pull)
         pull.run_id, pull.worker_id = run.run_id, got.header.worker_id
         route = _pull_route(run, rule, pull, context)  # checked before the push changes anything
-        header = shard_pb2.PushPullResponse(push=_apply(got, context, began))
+        header = shard_pb2.PushPullResponse(push=_apply(got, context, began, self._changed))
         yield from _answer(run, rule, pull, route, header, context)
 
     def GroupAverage(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -237,10 +281,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             if run.ended:
                 raise Ended(f"run {run.run_id!r} ended: no more rounds")
             check_alive(context, "deposit")  # a deposit of a call that went first is not stored
-            wait = call_wait(run, context, f"round {header.step} of {sorted(members)}")
-            averages, frontier = rule.group_average(
-                header.worker_id, header.step, members, header.is_global, got.values, wait=wait
-            )
+            if header.consensus:  # the average of the latest deposits: nothing deposited, no round
+                averages, frontier = rule.consensus(header.worker_id, list(got.values))
+            else:
+                wait = call_wait(run, context, f"round {header.step} of {sorted(members)}")
+                averages, frontier = rule.group_average(
+                    header.worker_id, header.step, members, header.is_global, got.values, wait=wait
+                )
+            self._changed(run, rule)
             run.cond.notify_all()
         # A round's result is fixed: its parts need no lock.
         items = [(part_meta(run.parts[key], _NONE, frontier), avg) for key, avg in averages.items()]
@@ -309,6 +357,45 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 min_version=min((p.version for p in run.parts.values()), default=0),
                 device=str(self.device),
             )
+
+    def CheckpointRun(
+        self, request: shard_pb2.CheckpointRunRequest, context: grpc.ServicerContext
+    ) -> shard_pb2.CheckpointRunResponse:
+        run, rule = self._run(request.run_id)
+        with self._lock:
+            saving = self._saving.get(request.run_id)
+        if saving is None:
+            raise NotNow("this shard has no state dir (--state-dir) to write checkpoints to")
+        deadline = time.monotonic() + min(context.time_remaining() or _CHECKPOINT_WAIT_S, _CHECKPOINT_WAIT_S)
+        sequence = None
+        while sequence is None:  # one in flight is waited for first: this one starts from now
+            if not saving.wait_idle(max(0.0, deadline - time.monotonic())):
+                raise TimedOut("a checkpoint of the run is still being written")
+            with run.cond:
+                if run.closed:
+                    raise NotFound(f"run {run.run_id!r} was closed on this shard")
+                sequence = saving.start(run, rule)
+        outcome = saving.outcome(sequence, max(0.0, deadline - time.monotonic()))
+        if outcome is None:
+            raise TimedOut(f"checkpoint {sequence} of run {run.run_id!r} is still being written")
+        if outcome.written is None:
+            raise Unavailable(outcome.error)
+        w = outcome.written
+        return shard_pb2.CheckpointRunResponse(
+            sequence=w.sequence,
+            step=w.step,
+            min_version=w.min_version,
+            max_version=w.max_version,
+            bytes=w.nbytes,
+            snapshot_seconds=outcome.snapshot_seconds,
+            write_seconds=w.seconds,
+        )
+
+    def _changed(self, run: RunState, rule: ShardRule) -> None:
+        """A push or deposit changed the run (its lock held): a checkpoint starts if one is due."""
+        saving = self._saving.get(run.run_id)
+        if saving is not None and saving.due(rule):
+            saving.start(run, rule)
 
     def _pushed_run(self, request: shard_pb2.PushRequest) -> tuple[RunState, ShardRule]:
         found = self._run(request.run_id)
@@ -385,9 +472,10 @@ def _push_transport(run: RunState, header: shard_pb2.PushRequest) -> str:
     return "shm" if any(worker == header.worker_id for worker, _ in run.segments) else "grpc"
 
 
-def _apply(got: Received, context: grpc.ServicerContext, began: float) -> shard_pb2.PushResponse:
+def _apply(got: Received, context: grpc.ServicerContext, began: float, changed: Changed) -> shard_pb2.PushResponse:
     """Apply a push read whole, as one unit under the run's lock, once per (worker, step): one
-    made again after an applied one is answered as that one was. `began`: when its call did."""
+    made again after an applied one is answered as that one was. `began`: when its call did;
+    `changed`: called under the lock once it is applied."""
     run, rule = got.found
     worker_id, step = got.header.worker_id, got.header.step
     with run.cond:
@@ -400,6 +488,7 @@ def _apply(got: Received, context: grpc.ServicerContext, began: float) -> shard_
         check_alive(context, "push")  # its client gave up: it will make the push again
         staleness = rule.push(Push(worker_id, step, got.values, got.versions))
         run.record_push(worker_id, step, got.nbytes, staleness)
+        changed(run, rule)
         transport = _push_transport(run, got.header)
     scheme = run.spec.scheme
     metrics.SHARD_PUSH_SECONDS.labels(scheme).observe(time.perf_counter() - began)
@@ -474,6 +563,7 @@ def register_with_coordinator(
                 response = stub.RegisterShard(
                     coordinator_pb2.RegisterShardRequest(address=address, device=device), timeout=5
                 )
+                set_log_context(shard_index=response.shard_index)
                 return response.shard_index, response.heartbeat_interval_ms / 1000 or _HEARTBEAT_S
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a bad --advertise-host: no retry mends it
@@ -509,6 +599,7 @@ def heartbeat_coordinator(
                 channel = open_channel(coordinator)
                 continue
             if response.registered or lost:
+                set_log_context(shard_index=response.shard_index)
                 _LOGGER.info("coordinator %s: shard %d at %s", coordinator, response.shard_index, address)
             lost = False
             interval_s = response.heartbeat_interval_ms / 1000 or interval_s
@@ -520,6 +611,8 @@ def heartbeat_coordinator(
 @port_option(50052)
 @bind_option
 @secret_options
+@tls_options
+@max_calls_option
 @click.option(
     "--data-port",
     envvar="GRADPS_DATA_PORT",
@@ -537,41 +630,77 @@ def heartbeat_coordinator(
     help="Host name by which workers reach this shard.",
 )
 @device_option("Where parts live and updates run (auto: CUDA when present).", envvar="GRADPS_DEVICE")
+@click.option(
+    "--state-dir",
+    envvar="GRADPS_STATE_DIR",
+    show_envvar=True,
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write runs' checkpoints here (RunSpec.checkpoint_every_*, CheckpointRun), under shard-<shard id>/; "
+    "a shard started again with the same --shard-id serves them. Unset: no checkpoints.",
+)
+@click.option(
+    "--shard-id",
+    envvar="GRADPS_SHARD_ID",
+    show_envvar=True,
+    default=None,
+    help="This shard's stable identity in --state-dir (a StatefulSet pod name, a compose service); "
+    "default: --advertise-host and --port.",
+)
+@click.option(
+    "--keep-checkpoints",
+    envvar="GRADPS_KEEP_CHECKPOINTS",
+    show_envvar=True,
+    default=KEEP,
+    type=click.IntRange(min=1),
+    help="Checkpoints kept per run; older ones are removed.",
+)
 @port_file_option
 @metrics_options
-@log_level_option
+@log_options
 def main(
     port: int,
     bind_address: str,
     secret_file: str | None,
     secret: str | None,
     insecure: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
+    tls_client_auth: bool,
+    max_calls_per_caller: int,
     data_port: int,
     coordinator: str,
     advertise_host: str,
     device: str,
+    state_dir: Path | None,
+    shard_id: str | None,
+    keep_checkpoints: int,
     port_file: str | None,
     metrics_port: int,
     metrics_host: str,
     metrics_port_file: str | None,
     log_level: str,
+    log_format: str,
 ) -> None:
     """gradps shard: holds parts of the parameters and applies the run's update rule."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s shard %(levelname)s %(message)s")
+    configure_logging("shard", log_level, log_format)
     cluster_secret = server_secret(secret, secret_file, bind_address, insecure)
     if cluster_secret is not None:  # its calls to the coordinator (else GRADPS_TOKEN's)
         set_process_token(cluster_secret.token(SHARD))
+    tls = service_tls(tls_cert, tls_key, tls_ca, tls_client_auth)
     serve_metrics(metrics_port, metrics_host, metrics_port_file)
     torch_device = torch.device(device)
     try:
-        listener = StreamListener(data_port) if data_port >= 0 else None
+        listener = StreamListener(data_port, bind_address, tls) if data_port >= 0 else None
     except OSError as e:
         raise click.UsageError(f"--data-port {data_port}: {e.strerror or e}") from None
-    server = make_server(secret=cluster_secret)
-    add_shard_servicer(ShardServicer(torch_device, listener), server)
+    checkpoints = _checkpoints(state_dir, shard_id, advertise_host, port, keep_checkpoints)
+    server = make_server(secret=cluster_secret, max_calls_per_caller=max_calls_per_caller)
+    add_shard_servicer(ShardServicer(torch_device, listener, checkpoints), server)
     add_health(server, ["gradps.v1.ShardService"])
     try:
-        bound = bind(server, port, bind_address)
+        bound = bind(server, port, bind_address, tls)
     except OSError as e:
         raise click.UsageError(f"--port {port}: {e}") from None
     server.start()
@@ -594,6 +723,28 @@ def main(
     )
     serve_until_signal(server)
     stopped.set()
+
+
+def _checkpoints(
+    state_dir: Path | None, shard_id: str | None, host: str, port: int, keep: int
+) -> ShardCheckpoints | None:
+    """Where this shard's checkpoints go (--state-dir, --shard-id), checked at start-up."""
+    if state_dir is None:
+        if shard_id is not None:
+            _LOGGER.warning("--shard-id %s without --state-dir: no checkpoints are written", shard_id)
+        return None
+    if shard_id is None:
+        if port == 0:
+            raise click.UsageError("--state-dir needs a --shard-id (or a fixed --port) to find its checkpoints again")
+        shard_id = f"{host}-{port}"
+    try:
+        checkpoints = ShardCheckpoints(state_dir, shard_id, keep)
+        checkpoints.root.mkdir(parents=True, exist_ok=True)
+    except ValueError as e:
+        raise click.UsageError(f"--shard-id: {e}") from None
+    except OSError as e:
+        raise click.UsageError(f"--state-dir {state_dir}: {e.strerror or e}") from None
+    return checkpoints
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ class Services:
         self.coordinator: subprocess.Popen | None = None
         self.port = 0
         self.shards: list[subprocess.Popen] = []
+        self.shard_args: list[tuple[str, ...]] = []
+        self.shard_ports: list[int] = []
 
     @property
     def address(self) -> str:
@@ -65,21 +67,38 @@ class Services:
         self.coordinator.send_signal(signal.SIGKILL)
         self.coordinator.wait()
 
-    def add_shard(self) -> None:
-        name = f"shard-{len(self.shards)}"
+    def add_shard(self, *args: str) -> None:
+        """Start a shard (`args` added to its flags); restart_shard starts it again as it was."""
+        self.shard_args.append(args)
+        self.shard_ports.append(0)
+        self.shards.append(self._start_shard(len(self.shards)))
+
+    def _start_shard(self, index: int) -> subprocess.Popen:
+        name = f"shard-{index}"
         port_file = self.tmp / f"{name}.port"
+        port_file.unlink(missing_ok=True)
         shard = self._spawn(
             name,
             "ps_server.shard",
-            "--port=0",
+            f"--port={self.shard_ports[index]}",
             "--data-port=-1",
             f"--port-file={port_file}",
             f"--coordinator={self.address}",
             "--advertise-host=127.0.0.1",
             "--device=cpu",
+            *self.shard_args[index],
         )
-        self.shards.append(shard)
-        self._port_of(port_file, shard)
+        self.shard_ports[index] = self._port_of(port_file, shard)
+        return shard
+
+    def kill_shard(self, index: int) -> None:
+        self.shards[index].send_signal(signal.SIGKILL)
+        self.shards[index].wait()
+
+    def restart_shard(self, index: int) -> None:
+        """Start shard `index` again, with its flags, on the port it had (its address in placements)."""
+        assert self.shards[index].poll() is not None, "kill it first"
+        self.shards[index] = self._start_shard(index)
 
     def coordinator_rss(self) -> int:
         """The coordinator's resident memory, bytes."""

@@ -1,7 +1,8 @@
 """Bearer tokens and roles (gradps/auth/) against a real local cluster, and the import allow-list.
 
 Every RPC of every service, listed from the proto descriptors, is refused without a token, and every
-admin RPC with a worker's; a worker's own token acts only as its own worker id; a token of the right
+admin RPC with a worker's; a worker's own token acts only as its own worker id, and only on the runs
+that worker is in (every worker RPC, each request naming another worker or run); a token of the right
 shape that the cluster's secret did not mint is refused; a run naming an import path the operator
 did not allow is refused at submit; a normal run with tokens completes, and no log holds a secret.
 """
@@ -13,11 +14,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
@@ -30,6 +34,7 @@ from client.report import follow
 from client.sdk import Client, GradpsError, run_spec
 from gradps.auth import access, tokens
 from gradps.datasets import Dataset, ImportRefused, import_allowed, load_dataset
+from gradps.parameter_client import tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2
 
@@ -63,7 +68,7 @@ ADMIN_RPCS = {
         "GetCluster",
         "ExportRun",
     },
-    "ShardService": {"OpenRun", "CloseRun", "EndRun", "SetMembership"},
+    "ShardService": {"OpenRun", "CloseRun", "EndRun", "SetMembership", "CheckpointRun"},
 }
 
 
@@ -202,6 +207,9 @@ def test_a_worker_token_acts_only_as_its_own_worker(secured, addresses):
         assert f"acts as worker {me}, not as worker {other}" in details
         report = cpb.ReportMetricsRequest(run_id="no-such-run", metrics=cpb.Metrics(worker_id=other))
         _refused(grpc.StatusCode.PERMISSION_DENIED, lambda: stub.ReportMetrics(report, metadata=as_own, timeout=10))
+        # No worker makes another leave.
+        leave = cpb.LeaveWorkerRequest(worker_id=other)
+        _refused(grpc.StatusCode.PERMISSION_DENIED, lambda: stub.LeaveWorker(leave, metadata=as_own, timeout=10))
     shard_service = shard_pb2.DESCRIPTOR.services_by_name["ShardService"]
     with grpc.insecure_channel(addresses["ShardService"]) as channel:
         for name, request in (
@@ -307,3 +315,190 @@ def test_the_cli_prints_a_role_token_from_the_secret():
     result = CliRunner().invoke(cli, ["token", "worker"], env={"GRADPS_SECRET": secret})
     assert result.exit_code == 0, result.output
     assert tokens.ClusterSecret(secret).check(result.output.strip()) == tokens.Caller(tokens.WORKER)
+
+
+# ---- a worker's own token touches its own runs only --------------------------------------------
+
+
+@dataclass(frozen=True)
+class _StandingRun:
+    """A running run whose one worker this test plays (it registered the run's tensors and never
+    pushes: the run stands still), and a joined worker that is not in it."""
+
+    cluster: LocalCluster
+    run_id: str
+    shard: str
+    part: shard_pb2.PartPlacement
+    member: int
+    member_token: str
+    outsider: int
+    outsider_token: str
+
+
+def _join_as_worker(cluster: LocalCluster, name: str) -> tuple[int, str]:
+    """Join with the plain worker token: (worker id, that worker's own token)."""
+    plain = [("authorization", f"Bearer {cluster.role_token(tokens.WORKER)}")]
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        joined, call = stub.JoinWorker.with_call(cpb.JoinWorkerRequest(name=name), metadata=plain, timeout=10)
+    return joined.worker_id, dict(call.trailing_metadata())[tokens.WORKER_TOKEN_KEY]
+
+
+def _as(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def _tensor_part(p: shard_pb2.PartPlacement, value: float) -> tensor_pb2.TensorPart:
+    return tensor_pb2.TensorPart(
+        name=p.name,
+        index=p.index,
+        offset=p.offset,
+        count=p.count,
+        dtype=tensor_pb2.DTYPE_FLOAT32,
+        codec=tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE),
+        payload=np.full(p.count, value, np.float32).tobytes(),
+    )
+
+
+_SHARD_SERVICE = shard_pb2.DESCRIPTOR.services_by_name["ShardService"]
+
+
+@pytest.fixture(scope="module")
+def standing():
+    with LocalCluster(shards=1, workers=0, heartbeat_timeout_s=120.0) as cluster:
+        member, member_token = _join_as_worker(cluster, "member")
+        with Client(cluster.address) as client:
+            run_id = client.submit(run_spec("sync", workers=1, steps=1000, eval_every=0))
+            (shard,) = client.cluster().shards
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            poll = cpb.GetAssignmentRequest(worker_id=member, wait_ms=10_000)
+            assert stub.GetAssignment(poll, metadata=_as(member_token), timeout=20).run_id == run_id
+            tensors = tensor_specs({"w": torch.zeros(64)})
+            asked = cpb.GetPlacementRequest(run_id=run_id, tensors=tensors, total_steps=1000)
+            placement = stub.GetPlacement(asked, metadata=_as(member_token), timeout=60).placement
+        (part,) = placement.parts
+        register = shard_pb2.RegisterTensorsRequest(run_id=run_id, part_count=1, part=_tensor_part(part, 1.0))
+        with grpc.insecure_channel(shard) as channel:
+            method = _SHARD_SERVICE.methods_by_name["RegisterTensors"]
+            _call(channel, _SHARD_SERVICE, method, register, member_token)
+        outsider, outsider_token = _join_as_worker(cluster, "outsider")  # after the run started: idle
+        yield _StandingRun(cluster, run_id, shard, part, member, member_token, outsider, outsider_token)
+
+
+def _standing_state(run: _StandingRun) -> tuple:
+    """What no refused call may change: the run's status and placement, the cluster's workers, and
+    the shard's counters and values of the run."""
+    admin = run.cluster.role_token(tokens.ADMIN)
+    with Client(run.cluster.address) as client:
+        status = client.run(run.run_id).SerializeToString(deterministic=True)
+        workers = sorted((w.worker_id, w.alive, w.run_id) for w in client.cluster().workers)
+    with grpc.insecure_channel(run.shard) as channel:
+        pull = shard_pb2.PullRequest(run_id=run.run_id, worker_id=run.member)
+        values = _call(channel, _SHARD_SERVICE, _SHARD_SERVICE.methods_by_name["Pull"], pull, admin)
+        stats_method = _SHARD_SERVICE.methods_by_name["GetStats"]
+        stats = shard_pb2.GetStatsResponse.FromString(
+            _call(channel, _SHARD_SERVICE, stats_method, shard_pb2.GetStatsRequest(run_id=run.run_id), admin)
+        )
+    stats.bytes_pulled = 0  # this function's own pull counts there
+    return status, workers, values, stats.SerializeToString(deterministic=True)
+
+
+def _worker_calls() -> list[tuple[Any, Any, access.Rule]]:
+    """Every RPC a worker makes with its own token: (service, method, rule)."""
+    found = []
+    for service, method in _every_rpc():
+        rule = access.RULES[f"/{service.full_name}/{method.name}"]
+        if tokens.OWN_WORKER in rule.roles:
+            found.append((service, method, rule))
+    return found
+
+
+def test_a_worker_token_touches_no_run_it_is_not_a_worker_of(standing):
+    run, me = standing, standing.outsider
+    before = _standing_state(run)
+    grad = _tensor_part(run.part, 3e37)
+    header = {"run_id": run.run_id, "worker_id": me, "part_count": 1, "part": grad}
+    shard_requests = {
+        "RegisterTensors": shard_pb2.RegisterTensorsRequest(
+            run_id=run.run_id, part_count=1, overwrite=True, part=_tensor_part(run.part, 9.0)
+        ),
+        "Pull": shard_pb2.PullRequest(run_id=run.run_id, worker_id=me),
+        "Push": shard_pb2.PushRequest(**header),
+        "PushPull": shard_pb2.PushPullRequest(**header),
+        "GroupAverage": shard_pb2.GroupAverageRequest(**header, members=[me]),
+        "MapSegment": shard_pb2.MapSegmentRequest(run_id=run.run_id, worker_id=me, segment="gradps-outsider"),
+        "OpenStream": shard_pb2.OpenStreamRequest(run_id=run.run_id, worker_id=me),
+        "GetStats": shard_pb2.GetStatsRequest(run_id=run.run_id),
+    }
+    assert set(shard_requests) == {m.name for s, m, _ in _worker_calls() if s is _SHARD_SERVICE}
+    with grpc.insecure_channel(run.shard) as channel:
+        for name, request in shard_requests.items():
+            method = _SHARD_SERVICE.methods_by_name[name]
+            details = _refused(
+                grpc.StatusCode.PERMISSION_DENIED, _call, channel, _SHARD_SERVICE, method, request, run.outsider_token
+            )
+            assert details == f"worker {me} is not a worker of run {run.run_id!r}", name
+    with grpc.insecure_channel(run.cluster.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        mine = _as(run.outsider_token)
+        # Another run's placement is neither read nor defined (the first caller's tensors define it).
+        placement = cpb.GetPlacementRequest(run_id=run.run_id, tensors=tensor_specs({"x": torch.zeros(3)}))
+        details = _refused(
+            grpc.StatusCode.PERMISSION_DENIED, lambda: stub.GetPlacement(placement, metadata=mine, timeout=10)
+        )
+        assert details == f"worker {me} is not a worker of run {run.run_id}"
+        # Calls about its own standing in a run it is not in: told to abandon it, nothing more.
+        beat = stub.Heartbeat(cpb.HeartbeatRequest(worker_id=me, run_id=run.run_id), metadata=mine, timeout=10)
+        assert beat.stop and not beat.rejoin
+        for report in (cpb.Metrics(worker_id=me, step=1000, done=True), cpb.Metrics(worker_id=me, error="poison")):
+            answer = stub.ReportMetrics(
+                cpb.ReportMetricsRequest(run_id=run.run_id, metrics=report), metadata=mine, timeout=10
+            )
+            assert answer.stop
+        assert not stub.GetAssignment(
+            cpb.GetAssignmentRequest(worker_id=me, wait_ms=1), metadata=mine, timeout=10
+        ).run_id
+        # The run's own worker passes the same doors.
+        theirs = _as(run.member_token)
+        beat = stub.Heartbeat(
+            cpb.HeartbeatRequest(worker_id=run.member, run_id=run.run_id), metadata=theirs, timeout=10
+        )
+        assert not beat.stop
+    with grpc.insecure_channel(run.shard) as channel:
+        method = _SHARD_SERVICE.methods_by_name["GetStats"]
+        stats = _call(channel, _SHARD_SERVICE, method, shard_pb2.GetStatsRequest(run_id=run.run_id), run.member_token)
+        assert shard_pb2.GetStatsResponse.FromString(stats).parts == 1
+    assert _standing_state(run) == before
+    with Client(run.cluster.address) as client:
+        assert client.run(run.run_id).run.state == cpb.RUN_STATE_RUNNING
+
+
+def test_every_worker_call_naming_another_worker_is_refused(standing):
+    run = standing
+    before = _standing_state(run)
+    addresses = {"CoordinatorService": run.cluster.address, "ShardService": run.shard}
+    unbound = set()
+    for service, method, rule in _worker_calls():
+        if not rule.worker_field:
+            unbound.add(method.name)
+            continue
+        request = GetMessageClass(method.input_type)()
+        fields = request.DESCRIPTOR.fields_by_name
+        if "run_id" in fields:
+            request.run_id = run.run_id
+        if "part_count" in fields:
+            request.part_count = 1
+        *outer, last = rule.worker_field
+        target = request
+        for number in outer:
+            target = getattr(target, target.DESCRIPTOR.fields_by_number[number].name)
+        setattr(target, target.DESCRIPTOR.fields_by_number[last].name, run.member)
+        with grpc.insecure_channel(addresses[service.name]) as channel:
+            details = _refused(
+                grpc.StatusCode.PERMISSION_DENIED, _call, channel, service, method, request, run.outsider_token
+            )
+        assert details == f"this token acts as worker {run.outsider}, not as worker {run.member}", method.name
+    # The calls that name no worker are bound to the caller's own runs by their handlers (above).
+    assert unbound == {"GetPlacement", "RegisterTensors", "GetStats"}
+    assert _standing_state(run) == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -173,3 +174,13 @@ def test_bad_bench_options_are_one_line_usage_errors():
         assert result.exit_code == 2, (args, result.output)
         assert words in result.output, (args, result.output)
         assert "Traceback" not in result.output
+
+
+def test_the_transport_bench_measures_the_cost_of_metrics_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    args = ["bench", "transport", "--sizes", "1", "--shards", "1", "--workers", "1", "--transport", "shm"]
+    result = CliRunner().invoke(cli, [*args, "--metrics", "both", "--rounds", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert [(r["transport"], r["metrics"]) for r in rows] == [("shm", False), ("shm", True)]
+    assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in rows)

@@ -3,6 +3,7 @@ no embedded-cluster process, no run holding the cluster's workers."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -63,10 +64,20 @@ def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
         assert not (Path(cwd) / "runs").exists()
 
 
-def test_local_and_a_coordinator_from_the_environment_is_explained() -> None:
-    result = CliRunner().invoke(cli, ["train", "--local"], env={"GRADPS_COORDINATOR": "127.0.0.1:1"})
-    assert result.exit_code == 2
-    assert "(GRADPS_COORDINATOR is set)" in result.output
+def test_an_explicit_local_wins_over_a_coordinator_from_the_environment(tmp_path: Path) -> None:
+    both = CliRunner().invoke(cli, ["train", "--local", "--coordinator", "127.0.0.1:1"])
+    assert both.exit_code == 2 and "give --local or --coordinator HOST:PORT, not both" in both.output
+    # GRADPS_COORDINATOR names a port nobody serves: the run trains on the embedded cluster anyway.
+    args = ["train", "--local", "--steps", "5", "--eval-every", "0", "--no-progress", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "client.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GRADPS_COORDINATOR": "127.0.0.1:1"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["state"] == "completed"
 
 
 def test_a_shard_address_for_a_coordinator_is_named(cluster: LocalCluster, client: Client) -> None:
@@ -194,3 +205,90 @@ def test_a_worker_waiting_to_join_stops_on_sigterm() -> None:
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+def test_up_serves_on_its_port_and_says_how_the_other_commands_find_it(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port free now, as a user would pick one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["up", "--port", str(port), "--shards", "1", "--workers", "0", "--state-dir", str(tmp_path / "state")]
+    env = {k: v for k, v in os.environ.items() if k != "GRADPS_COORDINATOR"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert up.stdout is not None
+        printed = [up.stdout.readline() for _ in range(3)]
+        export = f"export GRADPS_COORDINATOR=127.0.0.1:{port}"
+        assert any(line.strip().startswith(export) for line in printed), printed
+        status = subprocess.run(
+            [sys.executable, "-m", "client.cli", "status"],
+            capture_output=True,
+            text=True,
+            env={**env, "GRADPS_COORDINATOR": f"127.0.0.1:{port}"},
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        assert f"coordinator 127.0.0.1:{port}: 1 live shard" in status.stdout, status.stdout
+        up.send_signal(signal.SIGINT)
+        up.communicate(timeout=60)
+        assert up.returncode == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_up_started_in_the_background_stops_on_sigint_and_logs_in_its_state_dir(tmp_path: Path) -> None:
+    # A shell starts a background job with SIGINT ignored; `gradps up` must still stop on it.
+    state, cwd = tmp_path / "state", tmp_path / "cwd"
+    cwd.mkdir()
+    args = ["up", "--port", "0", "--shards", "1", "--workers", "0", "--state-dir", str(state)]
+    up = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from client.cli import cli; cli(sys.argv[1:])", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert up.stdout is not None
+        printed = [up.stdout.readline() for _ in range(2)]
+        assert printed[0].startswith("coordinator at 127.0.0.1:"), printed
+        assert f"the services' logs in {state / 'logs'}" in printed[1], printed
+        up.send_signal(signal.SIGINT)
+        up.communicate(timeout=60)
+        assert up.returncode == 0
+        assert (state / "logs" / "coordinator.log").exists() and not any(cwd.iterdir())
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_train_help_is_sectioned_common_options_first_without_wire_bounds() -> None:
+    text = CliRunner().invoke(cli, ["train", "--help"], terminal_width=100).output
+    titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles[:4] == ["Run", "Compression", "Output", "Cluster"], titles
+    assert "Scheme parameters (each names the schemes it applies to)" in titles
+    run = text.split("Run:")[1].split("Compression:")[0]
+    for option in ("--scheme", "--workers", "--model", "--dataset", "--lr", "--steps"):
+        assert option in run, option
+    # Every option shows up exactly once, and no bound is a protobuf integer's width.
+    for option in ("--codec", "--tau", "--straggler", "--part-size", "--coordinator"):
+        assert text.count(f"  {option} ") == 1, option
+    assert "18446744073709551615" not in text and "4294967295" not in text and "RANGE" not in text
+
+
+def test_a_local_run_keeps_the_services_logs_in_its_own_folder(tmp_path: Path) -> None:
+    args = ["train", "--local", "--steps", "5", "--eval-every", "0", "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "GRADPS_COORDINATOR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = (tmp_path / "runs").iterdir()  # the run's folder alone: no logs folder beside it
+    assert (run / "summary.json").exists()
+    logs = sorted(p.name for p in (run / "logs").iterdir())
+    assert logs == ["coordinator.log", "shard-0.log", "shard-1.log", "worker-0.log", "worker-1.log"], logs

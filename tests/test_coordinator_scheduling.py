@@ -364,3 +364,98 @@ def test_a_coordinator_that_stalled_does_not_blame_its_workers_and_shards(procs)
             assert len(_live_shards(client)) == 2
     finally:
         session.close()
+
+
+# ---- leaving and finishing ---------------------------------------------------------------------
+
+# Far beyond any wait below: what happens here happens at once, not after a heartbeat timeout.
+PATIENT_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def patient(tmp_path_factory) -> Iterator[Services]:
+    p = Services(tmp_path_factory.mktemp("patient"), f"--heartbeat-timeout={PATIENT_TIMEOUT_S}")
+    try:
+        p.start_coordinator()
+        p.add_shard()
+        yield p
+    finally:
+        p.stop()
+
+
+def _alive(client: Client, worker_id: int) -> bool:
+    return any(w.alive for w in client.cluster().workers if w.worker_id == worker_id)
+
+
+def test_a_leaving_worker_is_out_at_once_and_its_run_goes_on_without_it(patient):
+    with Client(patient.address) as client, open_channel(patient.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        until(lambda: len(_live_shards(client)) == 1, 10, "the shard did not register")
+        a, b = (WorkerSession(patient.address, name=f"leaver-{i}") for i in range(2))
+        try:
+            run_id = client.submit(_spec(2))
+            assert {a.wait_for_assignment(wait_s=10).run_id, b.wait_for_assignment(wait_s=10).run_id} == {run_id}
+            a.placement(run_id, TENSORS, total_steps=3)
+            began = time.monotonic()
+            a.close()  # LeaveWorker: out of the run as a dead worker, without the timeout
+            run = client.run(run_id).run
+            assert list(run.dead_workers) == [a.worker_id] and run.state == cpb.RUN_STATE_RUNNING, run
+            assert not _alive(client, a.worker_id) and time.monotonic() - began < 5
+            assert stub.Heartbeat(cpb.HeartbeatRequest(worker_id=a.worker_id), timeout=10).rejoin
+            b.report(run_id, cpb.Metrics(step=3, total_steps=3, done=True, test_accuracy=-1.0))
+            assert client.run(run_id).run.state == cpb.RUN_STATE_COMPLETED
+
+            # An idle worker that leaves is given no run: a run of two now waits for a second worker.
+            c = WorkerSession(patient.address, name="leaver-idle")
+            c.close()
+            waiting = client.submit(_spec(2))
+            assert client.run(waiting).run.pending_reason == "needs 2 workers; 1 live: waiting for more to join"
+            client.stop(waiting)
+            # Leaving again is fine; an id never given is not.
+            stub.LeaveWorker(cpb.LeaveWorkerRequest(worker_id=c.worker_id), timeout=10)
+            never = cpb.LeaveWorkerRequest(worker_id=2**31)
+            _rejected(lambda: stub.LeaveWorker(never, timeout=10), NOT_FOUND, "never gave that id")
+        finally:
+            a.close()
+            b.close()
+
+
+def test_done_before_the_last_step_is_refused_and_changes_nothing(patient):
+    with Client(patient.address) as client:
+        until(lambda: len(_live_shards(client)) == 1, 10, "the shard did not register")
+        session = WorkerSession(patient.address, name="early")
+        try:
+            run_id = client.submit(_spec(1, steps=6))
+            assert session.wait_for_assignment(wait_s=10).run_id == run_id
+            session.placement(run_id, TENSORS, total_steps=6)
+            session.report(run_id, cpb.Metrics(step=2, total_steps=6, test_accuracy=-1.0))
+            before = client.run(run_id).run
+            early = cpb.Metrics(step=3, total_steps=6, done=True, test_accuracy=-1.0)
+            _rejected(lambda: session.report(run_id, early), PRECONDITION, "done at step 3 of the run's 6")
+            # Claiming fewer steps does not make step 3 the run's end.
+            fewer = cpb.Metrics(step=3, total_steps=3, done=True, test_accuracy=-1.0)
+            _rejected(lambda: session.report(run_id, fewer), INVALID, "reported total_steps 3; the run has 6")
+            after = client.run(run_id).run
+            assert after == before and after.state == cpb.RUN_STATE_RUNNING, after
+            session.report(run_id, cpb.Metrics(step=6, total_steps=6, done=True, test_accuracy=-1.0))
+            assert client.run(run_id).run.state == cpb.RUN_STATE_COMPLETED
+        finally:
+            session.close()
+
+
+def test_runs_and_status_print_json(patient):
+    import json
+
+    with Client(patient.address) as client:
+        run_id = client.submit(_spec(4096))  # pending: no cluster here has that many workers
+        try:
+            listed = json.loads(_cli("runs", "--json", "--coordinator", patient.address).split(": ", 1)[1])
+            run = next(r for r in listed["runs"] if r["run_id"] == run_id)
+            assert run["state"] == "RUN_STATE_PENDING" and run["spec"]["workers"] == 4096
+            assert run["pending_reason"].startswith("needs 4096 workers")
+            status = json.loads(_cli("status", "--json", "--coordinator", patient.address).split(": ", 1)[1])
+            assert status["coordinator"] == patient.address
+            assert [s["address"] for s in status["cluster"]["shard_infos"]] == _shard_addresses(client)
+            assert run_id in {r["run_id"] for r in status["runs"]}
+        finally:
+            client.stop(run_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +10,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_own_training_loop_example_trains():
+def test_own_training_loop_example_trains(tmp_path):
+    # As its docstring says: `gradps launch` starts a local cluster and the script as its 2 workers.
+    out = tmp_path / "run"
+    command = ["launch", "--workers", "2", "--epochs", "10", "--no-progress", "--out", str(out)]
     r = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "own_training_loop.py")],
+        [sys.executable, "-m", "client.cli", *command, str(ROOT / "examples" / "own_training_loop.py")],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=ROOT,
+        cwd=tmp_path,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    accuracy = float(re.search(r"test accuracy ([0-9.]+)", r.stdout).group(1))
-    assert accuracy >= 0.9
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["state"] == "completed"
+    assert summary["final_test_accuracy"] >= 0.95
+    assert (out / "model.pt").exists()

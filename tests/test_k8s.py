@@ -13,16 +13,19 @@ coordinator must list both shards and both workers, named after their pods, and 
 
 from __future__ import annotations
 
+import base64
 import copy
 import importlib
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,24 +70,43 @@ def _documents(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
+# The lists Kubernetes merges item by item, and the field that names an item.
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+}
+
+
 def _strategic_merge(base, patch, where: str = ""):
-    """A strategic-merge patch, for what k8s/gpu/ uses: maps merge key by key, scalars are replaced,
-    and the lists that Kubernetes merges by `name` (containers, env, volumes) merge item by item,
-    the patch's items first, as kustomize orders them. Anything else (a `$patch` directive, another
-    list) would need more of the rules, so it is refused."""
+    """A strategic-merge patch, for what k8s/gpu/ and k8s/secure/ use: maps merge key by key, a
+    null deletes its key, scalars are replaced, and the lists that Kubernetes merges by a key
+    (containers, env, volumes by name, volumeMounts by mountPath) merge item by item, the patch's
+    items first, as kustomize orders them; an item `$patch: delete` removes its namesake. Anything
+    else (another `$patch` directive, another list) would need more of the rules, so it is refused."""
     if isinstance(base, dict) and isinstance(patch, dict):
         assert not any(key.startswith("$") for key in patch), f"{where}: patch directives are not supported"
         merged = dict(base)
         for key, value in patch.items():
-            merged[key] = _strategic_merge(base[key], value, f"{where}.{key}") if key in base else copy.deepcopy(value)
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = (
+                    _strategic_merge(base[key], value, f"{where}.{key}") if key in base else copy.deepcopy(value)
+                )
         return merged
     if isinstance(base, list) or isinstance(patch, list):
         key = where.rsplit(".", 1)[-1]
-        assert key in ("containers", "initContainers", "env", "volumes"), f"{where}: list not merged by name"
-        by_name = {item["name"]: item for item in base}
-        patched = [_strategic_merge(by_name[p["name"]], p, where) if p["name"] in by_name else p for p in patch]
-        names = {p["name"] for p in patch}
-        return copy.deepcopy(patched) + [copy.deepcopy(item) for item in base if item["name"] not in names]
+        assert key in _MERGE_KEYS, f"{where}: list not merged by name"
+        name = _MERGE_KEYS[key]
+        deleted = {p[name] for p in patch if p.get("$patch") == "delete"}
+        patch = [p for p in patch if p[name] not in deleted]
+        by_name = {item[name]: item for item in base}
+        patched = [_strategic_merge(by_name[p[name]], p, where) if p[name] in by_name else p for p in patch]
+        names = {p[name] for p in patch} | deleted
+        return copy.deepcopy(patched) + [copy.deepcopy(item) for item in base if item[name] not in names]
     return copy.deepcopy(patch)
 
 
@@ -101,17 +123,38 @@ def _key(obj: dict) -> tuple[str, str, str]:
     return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
 
 
+def _generated_secret(directory: Path, generator: dict) -> dict:
+    """The Secret of a secretGenerator, for what k8s/secure/ uses: files (`key=path`), no name hash.
+    FileNotFoundError where a file is missing, as kustomize fails then."""
+    assert set(generator) <= {"name", "type", "files", "options"}, f"{directory}: a secretGenerator {generator}"
+    assert generator.get("options") == {"disableNameSuffixHash": True}, "the renderer adds no name hash"
+    data = {}
+    for entry in generator["files"]:
+        key, _, path = entry.rpartition("=")
+        data[key or Path(path).name] = base64.b64encode((directory / path).read_bytes()).decode()
+    metadata = {"name": generator["name"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata,
+        "type": generator.get("type", "Opaque"),
+        "data": data,
+    }
+
+
 def _render(directory: Path) -> list[dict]:
     """`kustomize build directory` for the fields k8s/ uses: resources (manifest files or
-    kustomization folders), patches (strategic merge, naming their object) and images."""
+    kustomization folders), secretGenerator (files), patches (strategic merge, naming their
+    object) and images."""
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization", directory
-    unsupported = set(kustomization) - {"apiVersion", "kind", "resources", "patches", "images"}
+    unsupported = set(kustomization) - {"apiVersion", "kind", "resources", "secretGenerator", "patches", "images"}
     assert not unsupported, f"{directory}: the test's renderer does not do {unsupported}"
     objects: list[dict] = []
     for entry in kustomization.get("resources", []):
         path = (directory / entry).resolve()
         objects += _render(path) if path.is_dir() else _documents(path)
+    objects += [_generated_secret(directory, g) for g in kustomization.get("secretGenerator", [])]
     for patch in kustomization.get("patches", []):
         assert set(patch) <= {"patch", "path"}, f"{directory}: a patch with {set(patch)}"
         doc = (
@@ -723,3 +766,498 @@ def test_the_monitoring_build_is_the_base_plus_a_service_monitor_of_every_pod():
     assert matching == [service]
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]} and endpoint["path"] == "/metrics"
+
+
+# ---------------------------------------------------------------------------------------------
+# NetworkPolicies (k8s/base/network-policies.yaml): who may reach which port of which pod
+
+
+SECURE = K8S / "secure"
+# The peers a policy must tell apart: each gradps role, a CLI pod as network-policies.yaml labels
+# it, Prometheus as it documents it, and pods that must not get in.
+_CLIENT_LABELS = {"app.kubernetes.io/name": "gradps", "app.kubernetes.io/component": "client"}
+_PROMETHEUS = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
+_STRANGERS = {
+    "another pod of the namespace": (NAMESPACE, {"app.kubernetes.io/name": "other"}),
+    "another pod of monitoring": ("monitoring", {"app.kubernetes.io/name": "grafana"}),
+    "a prometheus elsewhere": ("default", {"app.kubernetes.io/name": "prometheus"}),
+}
+
+
+def _role(pod: Pod) -> str:
+    return _ROLES[pod.workload["metadata"]["name"]]
+
+
+def _peers(pods: list[Pod]) -> dict[str, tuple[str, dict[str, str]]]:
+    """Peer name -> (namespace, pod labels)."""
+    peers = {_role(p): (NAMESPACE, p.workload["spec"]["template"]["metadata"]["labels"]) for p in pods}
+    return peers | {"client": (NAMESPACE, _CLIENT_LABELS), "prometheus": _PROMETHEUS} | _STRANGERS
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"only matchLabels is checked here: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_admitted(entry: dict, namespace: str, labels: dict[str, str]) -> bool:
+    """One `from` entry: podSelector alone means the policy's namespace; both selectors must match."""
+    assert set(entry) <= {"podSelector", "namespaceSelector"}, f"ipBlock and others are not checked: {entry}"
+    if "namespaceSelector" in entry:
+        in_namespace = _selects(entry["namespaceSelector"], {"kubernetes.io/metadata.name": namespace})
+    else:
+        in_namespace = namespace == NAMESPACE
+    return in_namespace and _selects(entry.get("podSelector", {}), labels)
+
+
+def _port_admitted(entry: dict, port: int, pod: Pod) -> bool:
+    assert entry.get("protocol", "TCP") == "TCP" and "endPort" not in entry, entry
+    named = {p.get("name"): p["containerPort"] for p in pod.container.get("ports", [])}
+    return (named.get(entry["port"]) if isinstance(entry["port"], str) else entry["port"]) == port
+
+
+def _admitted(policies: list[dict], peer: tuple[str, dict[str, str]], pod: Pod, port: int) -> bool:
+    """Whether a TCP connection from `peer` to `pod`'s `port` gets through (NetworkPolicy's rules:
+    a pod no policy selects takes everything; a selected one what any of its rules allow)."""
+    labels = pod.workload["spec"]["template"]["metadata"]["labels"]
+    selecting = [
+        p for p in policies if _selects(p["spec"]["podSelector"], labels) and "Ingress" in p["spec"]["policyTypes"]
+    ]
+    assert selecting, f"{pod.name}: no NetworkPolicy selects it, so anything reaches it"
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            if peers is not None and not any(_peer_admitted(e, *peer) for e in peers):
+                continue
+            if "ports" not in rule or any(_port_admitted(e, port, pod) for e in rule["ports"]):
+                return True
+    return False
+
+
+def _listening(pod: Pod) -> list[int]:
+    """Every port the pod's service listens on: GRADPS_PORT, GRADPS_DATA_PORT, GRADPS_METRICS_PORT."""
+    names = ("GRADPS_PORT", "GRADPS_DATA_PORT", "GRADPS_METRICS_PORT")
+    return [int(pod.env[n]) for n in names if pod.env.get(n)]
+
+
+def _calls(objects: list[dict]) -> set[tuple[str, str, int]]:
+    """(caller, callee, port) of every connection the services make, from the manifests: each
+    address a pod's env names (host:port of a Service), the shards' advertised addresses (placement
+    hands them to the workers, gRPC and data port; the coordinator calls their gRPC port), the CLI
+    to the coordinator's Service, Prometheus to every pod's metrics port."""
+    network = Network(objects, _pods(objects))
+    services = _services(objects)
+    calls = set()
+    for pod in network.pods:
+        for key, value in pod.env.items():
+            if re.fullmatch(r"[\w.-]+:\d+", value) and network.resolve(value.rsplit(":", 1)[0]):
+                host, port = value.rsplit(":", 1)
+                (entry,) = [e for e in services[host]["spec"]["ports"] if e["port"] == int(port)]
+                for target in network.resolve(host):
+                    callers = [_role(pod), "client"] if key == "GRADPS_COORDINATOR" else [_role(pod)]
+                    calls |= {(c, _role(target), _target_port(target.workload, entry)) for c in callers}
+        if "GRADPS_ADVERTISE_HOST" in pod.env:
+            assert network.resolve(pod.env["GRADPS_ADVERTISE_HOST"]) == [pod]
+            grpc_port = int(pod.env["GRADPS_PORT"])
+            calls |= {("worker", _role(pod), p) for p in [grpc_port, *_data_ports(pod.workload)]}
+            calls.add(("coordinator", _role(pod), grpc_port))
+        calls.add(("prometheus", _role(pod), int(pod.env["GRADPS_METRICS_PORT"])))
+    return calls
+
+
+def _admitted_calls(objects: list[dict]) -> set[tuple[str, str, int]]:
+    pods = _pods(objects)
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    ports = sorted({port for pod in pods for port in [*_listening(pod), *pod.ports]})
+    return {
+        (name, _role(pod), port)
+        for name, peer in _peers(pods).items()
+        for pod in pods
+        for port in ports
+        if _admitted(policies, peer, pod, port)
+    }
+
+
+@pytest.mark.parametrize("build", [K8S, GPU, K8S / "monitoring"], ids=["base", "gpu", "monitoring"])
+def test_network_policies_admit_exactly_the_calls_the_services_make(build: Path):
+    objects = _render(build)
+    calls = _calls(objects)
+    assert {c[:2] for c in calls} == {
+        ("worker", "coordinator"),
+        ("shard", "coordinator"),
+        ("client", "coordinator"),
+        ("worker", "shard"),
+        ("coordinator", "shard"),
+        ("prometheus", "coordinator"),
+        ("prometheus", "shard"),
+        ("prometheus", "worker"),
+    }, "the services call each other differently now: update network-policies.yaml and this list"
+    admitted = _admitted_calls(objects)
+    assert admitted - calls == set(), "admitted, though no service makes these calls"
+    assert calls - admitted == set(), "calls the services make, refused"
+    for pod in _pods(objects):  # every port a service listens on is reached by someone
+        assert {c[2] for c in calls if c[1] == _role(pod)} == set(_listening(pod)), pod.name
+
+
+# Each widens or narrows k8s/base/network-policies.yaml in one way the check above must notice.
+_LOOSER = {
+    "any pod to the shards": ("gradps-shard", lambda spec: spec["ingress"][0].pop("from")),
+    "any port of the coordinator": ("gradps-coordinator", lambda spec: spec["ingress"][0].pop("ports")),
+    "no data port": ("gradps-shard", lambda spec: spec["ingress"][0]["ports"].pop()),
+    "metrics from any namespace": (
+        "gradps-metrics",
+        lambda spec: spec["ingress"][0]["from"][0].pop("namespaceSelector"),
+    ),
+    "allow all in the default deny": ("gradps-default-deny", lambda spec: spec.update(ingress=[{}])),
+}
+
+
+@pytest.mark.parametrize("change", sorted(_LOOSER))
+def test_the_network_policy_check_sees_a_changed_policy(change: str):
+    objects = _render(K8S)
+    name, edit = _LOOSER[change]
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == name]
+    edit(policy["spec"])
+    assert _admitted_calls(objects) != _calls(objects), f"{change} went unnoticed"
+
+
+# ---------------------------------------------------------------------------------------------
+# The secure overlay: k8s/secure/ (tokens, TLS, probes that speak it) and its cert-manager example
+
+
+CERT_MANAGER = SECURE / "cert-manager.yaml"
+_SECRET_FILES = ("cluster-secret", "worker-token")  # what its secretGenerator reads; never in git
+# The variables that name a file a service reads its secret, token or TLS material from.
+_FILE_VARS = ("GRADPS_SECRET_FILE", "GRADPS_TOKEN_FILE", "GRADPS_TLS_CERT", "GRADPS_TLS_KEY", "GRADPS_TLS_CA")
+
+
+def _gradps(*args: str, env: dict[str, str] | None = None) -> str:
+    """The `gradps` CLI's output, run as the image would run it, with no GRADPS_* of this process."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("GRADPS_")} | (env or {})
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
+    argv = local_argv(["gradps", *args], {})
+    result = subprocess.run(argv, env=environ, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"gradps {' '.join(args)}: {result.stderr}"
+    return result.stdout.strip()
+
+
+@dataclass(frozen=True)
+class SecureBuild:
+    """k8s/secure/ built from a copy of k8s/ with its secret files made."""
+
+    folder: Path
+    secret: str
+    objects: list[dict]
+
+
+@pytest.fixture(scope="module")
+def secure_build(tmp_path_factory: pytest.TempPathFactory) -> SecureBuild:
+    """The files k8s/secure/kustomization.yaml asks for, made as it says: a random cluster secret,
+    and the worker token that `gradps token worker` derives from it."""
+    root = tmp_path_factory.mktemp("secure") / "k8s"
+    shutil.copytree(K8S, root, ignore=shutil.ignore_patterns(*_SECRET_FILES))
+    folder = root / "secure"
+    secret = secrets.token_urlsafe(32)
+    (folder / "cluster-secret").write_text(secret + "\n")
+    token = _gradps("token", "worker", env={"GRADPS_SECRET_FILE": str(folder / "cluster-secret")})
+    (folder / "worker-token").write_text(token + "\n")
+    return SecureBuild(folder, secret, _render(folder))
+
+
+def _cert_manager() -> list[dict]:
+    return _documents(CERT_MANAGER)
+
+
+def _serving_certificate() -> dict:
+    (serving,) = [o for o in _cert_manager() if o["kind"] == "Certificate" and not o["spec"].get("isCA")]
+    return serving
+
+
+def _generated(objects: list[dict]) -> dict[str, dict[str, bytes]]:
+    """The build's Secrets: name -> key -> content."""
+    return {
+        o["metadata"]["name"]: {k: base64.b64decode(v) for k, v in o["data"].items()}
+        for o in objects
+        if o["kind"] == "Secret"
+    }
+
+
+def _mounted(workload: dict, path: str) -> tuple[str, str]:
+    """The Secret and key whose file `path` is in the workload's container."""
+    spec, container = _pod_spec(workload), _container(workload)
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    (mount,) = [m for m in container.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount.get("readOnly") is True, f"{mount}: a service has no business writing its secrets"
+    secret = volumes[mount["name"]]["secret"]
+    relative = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+    if "items" not in secret:
+        return secret["secretName"], relative
+    (key,) = [item["key"] for item in secret["items"] if item["path"] == relative]
+    return secret["secretName"], key
+
+
+def test_the_secure_build_needs_its_secret_files(tmp_path: Path):
+    copied = tmp_path / "k8s"
+    shutil.copytree(K8S, copied, ignore=shutil.ignore_patterns(*_SECRET_FILES))
+    with pytest.raises(FileNotFoundError):  # no placeholder to deploy by mistake
+        _render(copied / "secure")
+    kubectl = shutil.which("kubectl")
+    if kubectl is not None:
+        result = subprocess.run([kubectl, "kustomize", str(copied / "secure")], capture_output=True, timeout=60)
+        assert result.returncode != 0, "kustomize builds k8s/secure/ without its secret files"
+    generators = yaml.safe_load((SECURE / "kustomization.yaml").read_text())["secretGenerator"]
+    assert sorted(f.split("=")[-1] for g in generators for f in g["files"]) == sorted(_SECRET_FILES)
+    assert set(_SECRET_FILES) <= set((SECURE / ".gitignore").read_text().split()), "keep them out of git"
+
+
+@pytest.mark.parametrize("version", _versions())
+def test_the_secure_build_validates_strictly(secure_build: SecureBuild, version: str):
+    validator = _validator()
+    for obj in secure_build.objects:
+        try:
+            _validate(obj, version)
+        except validator.ValidationError as e:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} on Kubernetes {version}: {e.message}")
+    assert "GRADPS_INSECURE" not in yaml.safe_dump_all(secure_build.objects)
+
+
+def test_the_renderer_builds_what_kustomize_builds_of_the_secure_overlay(secure_build: SecureBuild):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not found; the renderer is compared with `kubectl kustomize` where it is")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(secure_build.folder)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+    def decoded(objects: list[dict]) -> list[dict]:  # kustomize wraps base64 lines at 76 characters
+        out = [o | {"data": _generated([o])[o["metadata"]["name"]]} if o["kind"] == "Secret" else o for o in objects]
+        return sorted(out, key=_key)
+
+    assert decoded(_documents_of(result.stdout)) == decoded(secure_build.objects)
+
+
+def test_the_secure_build_gives_each_service_its_secret_tls_and_probes(secure_build: SecureBuild):
+    from gradps.auth.tokens import WORKER, Caller, ClusterSecret
+
+    objects, base = secure_build.objects, _render(K8S)
+    assert {_key(o) for o in objects} == {_key(o) for o in base} | {
+        ("v1", "Secret", "gradps-secret"),
+        ("v1", "Secret", "gradps-worker-token"),
+    }
+    assert [o for o in base if _pod_spec(o) is None] == [o for o in objects if o in base and _pod_spec(o) is None]
+    generated = _generated(objects)
+    assert generated["gradps-secret"] == {"secret": f"{secure_build.secret}\n".encode()}
+    worker_token = generated["gradps-worker-token"]["token"].decode().strip()
+    assert ClusterSecret(secure_build.secret).check(worker_token) == Caller(WORKER), "the plain worker token"
+    tls = _serving_certificate()["spec"]["secretName"]  # the Secret cert-manager writes
+    for name, workload in _workloads(objects).items():
+        container, image = _container(workload), _image(_container(workload))
+        env = {e["name"]: e for e in container["env"]}
+        reads = _envvars(name)
+        assert len(env) == len(container["env"]), f"{name}: a variable set twice"
+        assert {"GRADPS_SECRET", "GRADPS_TOKEN"}.isdisjoint(env), f"{name}: a secret in the pod spec itself"
+        for i, entry in enumerate(container["env"]):  # as test_every_variable_is_one_the_service_reads
+            if entry["name"].startswith("GRADPS_"):
+                assert entry["name"] in reads, f"{name} does not read {entry['name']}"
+            else:
+                assert entry["valueFrom"]["fieldRef"]["fieldPath"] in _DOWNWARD_API, (name, entry)
+                later = " ".join(e.get("value", "") for e in container["env"][i + 1 :])
+                assert f"$({entry['name']})" in later, f"{name}: {entry['name']} is not used after it is set"
+        files = {var: _mounted(workload, env[var]["value"]) for var in _FILE_VARS if var in env}
+        secrets_seen = {v["secret"]["secretName"] for v in _pod_spec(workload)["volumes"] if "secret" in v}
+        probes = _probes(container)
+        assert probes.keys() == {"startupProbe", "readinessProbe", "livenessProbe"}, name
+        if name == "gradps-worker":  # the token that joins, and the CA: never the secret or a key
+            assert files == {"GRADPS_TOKEN_FILE": ("gradps-worker-token", "token"), "GRADPS_TLS_CA": (tls, "ca.crt")}
+            assert secrets_seen == {"gradps-worker-token", tls}
+            (tls_volume,) = [v for v in _pod_spec(workload)["volumes"] if v.get("secret", {}).get("secretName") == tls]
+            assert [item["key"] for item in tls_volume["secret"]["items"]] == ["ca.crt"], "a worker holds no key"
+            metrics_port = int(env["GRADPS_METRICS_PORT"]["value"])
+            for kind, probe in probes.items():
+                assert "exec" not in probe and probe["httpGet"] == {"path": "/metrics", "port": metrics_port}, kind
+        else:
+            assert files == {
+                "GRADPS_SECRET_FILE": ("gradps-secret", "secret"),
+                "GRADPS_TLS_CERT": (tls, "tls.crt"),
+                "GRADPS_TLS_KEY": (tls, "tls.key"),
+                "GRADPS_TLS_CA": (tls, "ca.crt"),
+            }, name
+            assert secrets_seen == {"gradps-secret", tls}, name
+            for kind, probe in probes.items():  # the image's HEALTHCHECK, which speaks TLS
+                assert "grpc" not in probe and probe["exec"]["command"] == image.healthcheck, (name, kind)
+                assert probe["exec"]["command"][0] in image.copied_executables
+                assert probe["timeoutSeconds"] >= 3, f"{name}'s {kind}: a Python process to start"
+        for secret, key in files.values():
+            assert secret in generated or secret == tls, f"{name}: {secret} is neither generated nor cert-manager's"
+            assert secret == tls or key in generated[secret], f"{name}: {secret} has no key {key}"
+
+
+def _dialed_hosts(objects: list[dict]) -> set[str]:
+    """Every host name a service or worker dials: the addresses in the pods' env (the coordinator's
+    Service) and each shard's advertised name (placement hands it to the workers)."""
+    network = Network(objects, _pods(objects))
+    hosts = set()
+    for pod in network.pods:
+        for value in pod.env.values():
+            if re.fullmatch(r"[\w.-]+:\d+", value):
+                hosts.add(value.rsplit(":", 1)[0])
+        if "GRADPS_ADVERTISE_HOST" in pod.env:
+            hosts.add(pod.env["GRADPS_ADVERTISE_HOST"])
+    assert all(network.resolve(h) for h in hosts), hosts
+    return hosts
+
+
+def test_the_certificate_names_every_address_the_services_dial(secure_build: SecureBuild):
+    objects = _cert_manager()
+    assert {o["apiVersion"] for o in objects} == {"cert-manager.io/v1"}
+    assert {o["kind"] for o in objects} == {"Issuer", "Certificate"}
+    assert all("namespace" not in o["metadata"] for o in objects), "kubectl -n chooses the namespace"
+    for build in (K8S, GPU, K8S / "monitoring"):  # no build applies CRDs the strict validation lacks
+        assert all(not o["apiVersion"].startswith("cert-manager.io") for o in _render(build)), build
+    issuers = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Issuer"}
+    certificates = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Certificate"}
+    serving = _serving_certificate()
+
+    # The chain: the serving certificate <- a CA issuer <- the CA certificate <- a self-signed issuer.
+    assert serving["spec"]["issuerRef"]["kind"] == "Issuer"
+    ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    (ca,) = [c for c in certificates.values() if c["spec"]["secretName"] == ca_issuer["spec"]["ca"]["secretName"]]
+    assert ca["spec"]["isCA"] is True
+    assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+    assert {"server auth", "client auth"} <= set(serving["spec"]["usages"]), "serving, and calling the others"
+
+    # The Secret it writes is the one the services mount.
+    mounted = {
+        _mounted(w, e["value"])[0]
+        for w in _workloads(secure_build.objects).values()
+        for e in _container(w)["env"]
+        if e["name"].startswith("GRADPS_TLS_")
+    }
+    assert mounted == {serving["spec"]["secretName"]}
+
+    # Valid for each name the services dial, with no namespace in them (one Certificate for any),
+    # and for loopback, where the health probes connect (127.0.0.1:$GRADPS_PORT).
+    dialed = _dialed_hosts(secure_build.objects)
+    shards = _workloads(secure_build.objects)["gradps-shard"]["spec"]["replicas"]
+    assert len(dialed) == 1 + shards, dialed
+    assert all(NAMESPACE not in host for host in dialed), f"a dialed name names the namespace: {dialed}"
+    assert dialed <= set(serving["spec"]["dnsNames"]), (
+        f"the Certificate misses {dialed - set(serving['spec']['dnsNames'])}"
+    )
+    assert "127.0.0.1" in serving["spec"]["ipAddresses"]
+    # And `gradps certs`, the way without cert-manager, is told the same names where it is documented.
+    for doc in (SECURE / "kustomization.yaml", ROOT / "README.md"):
+        commands = [h for h in re.findall(r"gradps certs --out \S+ --hosts (\S+)", doc.read_text()) if "gradps-" in h]
+        assert commands, f"{doc.name} no longer shows the `gradps certs` of k8s/secure/"
+        for hosts in commands:
+            assert dialed <= set(hosts.split(",")), (
+                f"{doc.name}: `gradps certs --hosts {hosts}` misses some of {dialed}"
+            )
+
+
+@dataclass
+class MountedNetwork(Network):
+    """Network, with each pod's Secret volumes as folders of this test's: an env value under a mount
+    path names the file in that folder."""
+
+    secrets: dict[str, dict[str, bytes]] = field(default_factory=dict)  # Secret name -> key -> content
+    root: Path = field(default_factory=Path)
+
+    def local_env(self, pod: Pod) -> dict[str, str]:
+        env = super().local_env(pod)
+        for mount_path, folder in self._mount(pod).items():
+            for key, value in env.items():
+                if value.startswith(mount_path + "/"):
+                    env[key] = str(folder / value.removeprefix(mount_path + "/"))
+        return env
+
+    def _mount(self, pod: Pod) -> dict[str, Path]:
+        """The pod's Secret volumes, written as the kubelet projects them (their items, else every key)."""
+        volumes = {v["name"]: v for v in _pod_spec(pod.workload).get("volumes", [])}
+        mounts = {}
+        for mount in pod.container.get("volumeMounts", []):
+            secret = volumes[mount["name"]].get("secret")
+            if secret is None:  # the coordinator's state: LocalPods gives it a folder of its own
+                continue
+            data = self.secrets[secret["secretName"]]
+            folder = self.root / pod.name / mount["mountPath"].strip("/")
+            folder.mkdir(parents=True, exist_ok=True)
+            for item in secret.get("items") or [{"key": k, "path": k} for k in data]:
+                (folder / item["path"]).write_bytes(data[item["key"]])
+            mounts[mount["mountPath"].rstrip("/")] = folder
+        return mounts
+
+
+class SecureLocalPods(LocalPods):
+    """LocalPods, whose workers' httpGet probes find the metrics port each bound (any free one here)."""
+
+    def environ(self, pod: Pod) -> dict[str, str]:
+        return super().environ(pod) | {"GRADPS_METRICS_PORT_FILE": str(self.logs / f"{pod.name}.metrics-port")}
+
+    def probe(self, pod: Pod, probe: dict) -> str | None:
+        if "httpGet" not in probe:
+            return super().probe(pod, probe)
+        assert probe["httpGet"]["port"] == int(pod.env["GRADPS_METRICS_PORT"]), "not the metrics port"
+        port = (self.logs / f"{pod.name}.metrics-port").read_text().strip()
+        url = f"http://{_LOCALHOST}:{port}{probe['httpGet']['path']}"
+        try:
+            with urllib.request.urlopen(url, timeout=probe.get("timeoutSeconds", 1)) as reply:
+                status = reply.status
+        except OSError as e:
+            return f"GET {url}: {e}"
+        return None if 200 <= status < 400 else f"GET {url}: {status}"  # the kubelet's success
+
+
+@pytest.mark.timeout(180)
+def test_the_secure_pods_form_a_cluster_as_local_processes(secure_build: SecureBuild, tmp_path: Path):
+    from gradps.auth.tokens import ADMIN, ClusterSecret
+    from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    # gradps-tls as kustomization.yaml makes it without cert-manager, for the Certificate's names.
+    serving = _serving_certificate()["spec"]
+    certs = tmp_path / "certs"
+    _gradps("certs", "--out", str(certs), "--hosts", ",".join([*serving["dnsNames"], *serving["ipAddresses"]]))
+    tls = {"tls.crt": "service.pem", "tls.key": "service-key.pem", "ca.crt": "ca.pem"}
+    volumes = _generated(secure_build.objects) | {
+        serving["secretName"]: {key: (certs / name).read_bytes() for key, name in tls.items()}
+    }
+    objects = secure_build.objects
+    network = MountedNetwork(objects, _pods(objects), secrets=volumes, root=tmp_path / "volumes")
+    pods = SecureLocalPods(network, tmp_path)
+    shards = [p for p in network.pods if _role(p) == "shard"]
+    workers = [p for p in network.pods if _role(p) == "worker"]
+    coordinator = network.dial("gradps-coordinator", 50051)
+    credentials = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
+    admin = [("authorization", f"Bearer {ClusterSecret(secure_build.secret).token(ADMIN)}")]
+    request = coordinator_pb2.GetClusterRequest()
+    try:
+        pods.start()
+        expected_shards = sorted(f"{_LOCALHOST}:{network.local[p.name, p.ports[0]]}" for p in shards)
+        expected_workers = sorted(p.name for p in workers)
+        with grpc.secure_channel(coordinator, credentials) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            while True:
+                pods.check_alive()
+                try:
+                    reply = stub.GetCluster(request, timeout=5, metadata=admin)
+                    found, live = sorted(reply.shards), sorted(w.name for w in reply.workers if w.alive)
+                except grpc.RpcError as e:  # the coordinator is still importing torch
+                    found, live = [], [e.code().name]
+                if found == expected_shards and live == expected_workers:
+                    break
+                pods.remaining(f"2 shards and 2 workers; the coordinator has {found}, {live}")
+                time.sleep(0.25)
+            with pytest.raises(grpc.RpcError) as refused:  # a token is needed
+                stub.GetCluster(request, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(coordinator) as plaintext, pytest.raises(grpc.RpcError) as refused:
+            coordinator_pb2_grpc.CoordinatorServiceStub(plaintext).GetCluster(request, timeout=5, metadata=admin)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, "TLS only"
+        for pod in network.pods:  # every probe passes on the running cluster
+            for kind, probe in _probes(pod.container).items():
+                problem = pods.probe(pod, probe)
+                assert problem is None, f"{pod.name}'s {kind} fails: {problem}\n{pods.logs_tail()}"
+    finally:
+        codes = pods.stop()
+    assert all(code is not None for code in codes.values()), f"killed after the grace period: {codes}"
+    assert codes == dict.fromkeys(codes, 0), f"exit codes after SIGTERM: {codes}\n{pods.logs_tail()}"

@@ -82,7 +82,7 @@ def _spec_option_names() -> set[str]:
     """The options `spec_options` adds: those both `train` and `compare` take, but their own."""
     names = set(_params("train")) & set(_params("compare"))
     cluster = {"coordinator", "local", "shards", "heartbeat_timeout", "device", "transport", "allow_import"}
-    return names - cluster - {"workers", "out", "no_progress", "help"}
+    return names - cluster - {"workers", "out", "tensorboard", "no_progress", "help"}
 
 
 def test_cli_scheme_options_come_from_the_registry() -> None:
@@ -97,10 +97,27 @@ def test_cli_scheme_options_come_from_the_registry() -> None:
 def test_with_defaults_fills_only_what_the_proto_says_zero_means() -> None:
     spec = with_defaults(run_pb2.RunSpec(scheme="ssp"))
     validate(spec)
-    assert spec.scheme_params.staleness == 0  # 0 is a bound of its own: waits like sync
     for name, param in PARAMS.items():
-        if param.zero_is_default:
+        if param.zero_is_default or run_pb2.SchemeParams.DESCRIPTOR.fields_by_name[name].has_presence:
             assert getattr(spec.scheme_params, name) == param.default, name
+    # A spec from any language gets the CLI's and the SDK's defaults.
+    assert with_defaults(run_pb2.RunSpec()) == default_spec()
+
+
+def test_explicit_presence_keeps_zero_and_absence_takes_the_default() -> None:
+    """Fields whose 0 is a value of its own (`optional` in the proto) keep an explicit 0 on the
+    wire, and take the one table's default only when absent."""
+    zero = run_pb2.RunSpec(
+        scheme="ssp",
+        eval_every=0,
+        scheme_params=run_pb2.SchemeParams(staleness=0),
+        optimizer=run_pb2.OptimizerSpec(schedule="step", gamma=0.0, step_size=10),
+    )
+    sent = with_defaults(run_pb2.RunSpec.FromString(zero.SerializeToString()))
+    assert (sent.scheme_params.staleness, sent.eval_every, sent.optimizer.gamma) == (0, 0, 0.0)
+    absent = with_defaults(run_pb2.RunSpec(scheme="ssp"))
+    assert (absent.scheme_params.staleness, absent.eval_every, absent.optimizer.gamma) == (2, 50, 0.1)
+    assert absent.workers == 2 and absent.part_size + 1024 <= 4 * 1024 * 1024  # a stock client's limit
 
 
 def test_every_codec_enum_value_has_exactly_one_codec() -> None:

@@ -1,10 +1,21 @@
-"""The live progress display of `gradps train` and `gradps compare` (client/report.py)."""
+"""What `gradps train` and `gradps compare` show while a run trains (client/report.py): a progress
+line that fits an 80-column terminal with the step count, the time spent and left; a notice when a
+worker dies; a summary in human units that leaves out what does not apply and gives a failed run's
+reason."""
 
 import io
+import re
+import threading
+import time
+from pathlib import Path
 
 from rich.console import Console
 
-from client.report import run_progress
+from client.local_cluster import LocalCluster
+from client.report import follow, print_summary, run_progress, summarize
+from client.sdk import Client
+from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import run_pb2
 
 
 def _render(total: float | None, completed: float) -> str:
@@ -18,8 +29,80 @@ def _render(total: float | None, completed: float) -> str:
 
 def test_a_run_not_yet_placed_shows_an_unknown_total():
     # The total is 0 (unknown) until the run is placed: the display must not fail on it.
-    assert "step 0/?" in _render(None, 0)
+    assert " 0/? waiting" in _render(None, 0)
 
 
 def test_steps_are_shown_as_done_of_total():
-    assert "step  37/400 " in _render(400, 37.5)
+    assert " 37/400 waiting" in _render(400, 37.5)
+
+
+def _run(state: int, steps: int, message: str = "") -> cpb.RunStatus:
+    run = cpb.RunStatus(run_id="20261201-000000-abcd", state=state, message=message, total_steps=600)
+    run.spec.CopyFrom(run_pb2.RunSpec(scheme="sync-backup1", model="mlp", dataset="digits", workers=4))
+    run.workers.extend([0, 1, 2, 3])
+    run.started_at, run.finished_at = 100.0, 112.5
+    for rank in range(4 if steps else 0):
+        run.latest.add(
+            worker_id=rank, rank=rank, step=steps, loss=0.1234, samples=32 * steps, elapsed_s=4.0 + rank,
+            bytes_pushed=3 << 20, bytes_pulled=5 << 20, wait_s=1.0, test_accuracy=-1.0,
+        )  # fmt: skip
+    return run
+
+
+def test_the_progress_line_fits_80_columns_with_steps_time_and_eta() -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=True, color_system=None)
+    with run_progress(console) as progress:
+        task = progress.add_task("sync-backup1", total=600, stats="")
+        progress.update(task, completed=432, stats="loss 0.123 acc 0.950 12k/s")
+        progress.refresh()
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # the terminal's control codes
+    lines = [line for line in screen.replace("\r", "\n").split("\n") if "432/600" in line]
+    assert lines, out.getvalue()
+    for line in lines:
+        assert len(line.rstrip()) <= 80, line
+        assert "sync-backup1" in line and "loss 0.123 acc 0.950 12k/s" in line and "eta" in line, line
+        assert ":" in line.split("432/600")[1], line  # the clock
+
+
+def test_the_summary_reads_in_human_units_and_a_failed_run_gives_its_reason() -> None:
+    out = io.StringIO()
+    print_summary(summarize(_run(cpb.RUN_STATE_COMPLETED, 600), None, 2), Console(file=out, width=80))
+    text = out.getvalue()
+    assert "12.5 s" in text and "12.0 MiB pushed, 20.0 MiB pulled" in text
+    assert "staleness" not in text and "test accuracy" not in text  # never pushed stale, never evaluated
+    assert "by rank: 4,800, 3,840, 3,200, 2,743" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+    out = io.StringIO()
+    failed = _run(cpb.RUN_STATE_FAILED, 0, message="worker 1: dataset 'nope' is not one of digits, ...")
+    print_summary(summarize(failed, None, 2), Console(file=out, width=80))
+    text = out.getvalue()
+    assert "failed" in text and "reason" in text and "dataset 'nope'" in text
+    assert "samples/s" not in text and "traffic" not in text and "0.0000" not in text
+
+
+def test_a_worker_that_dies_mid_run_is_announced(tmp_path: Path) -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    spec = run_pb2.RunSpec(scheme="asgd", workers=3, batch_size=32, steps=100000, eval_every=0)
+    with LocalCluster(shards=1, workers=3, heartbeat_timeout_s=1.0) as cluster, Client(cluster.address) as client:
+        run_id = client.submit(spec)
+
+        def kill_one_then_stop() -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not any(m.step for m in client.run(run_id).run.latest):
+                time.sleep(0.2)
+            cluster.workers[2].kill()
+            while time.monotonic() < deadline and not client.run(run_id).run.dead_workers:
+                time.sleep(0.2)
+            time.sleep(1.0)
+            client.stop(run_id)
+
+        killer = threading.Thread(target=kill_one_then_stop, daemon=True)
+        killer.start()
+        summary = follow(client, run_id, tmp_path, show_progress=False, console=console)
+        killer.join(timeout=10)
+    text = out.getvalue()
+    (dead,) = summary["dead_workers"]
+    assert f"worker {dead} died at step" in text and "(no heartbeat); 2 of 3 go on" in text, text

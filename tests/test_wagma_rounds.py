@@ -117,3 +117,30 @@ def test_a_deposit_older_than_the_kept_rounds_is_refused_with_the_frontier_and_c
     _deposit(rule, 1, 7, 70.0, members=(1, 2))
     value, frontier = _deposit(rule, 1, 2, 20.0, members=(1, 3))
     assert value == pytest.approx(20.0) and frontier == 7
+
+
+def test_a_deposit_more_than_a_step_old_is_left_out_and_its_late_worker_gets_the_average():
+    rule = _rule()
+    _deposit(rule, 1, 2, 100.0, members=(1, 2))  # worker 1, a straggler, last deposited at step 2
+    value, _ = _deposit(rule, 0, 4, 8.0, members=(0, 1))  # step 4: worker 1's model is 2 steps old
+    assert value == pytest.approx(8.0)  # left out: a stale model would pull worker 0 back
+    _deposit(rule, 2, 4, 30.0, members=(2, 3))
+    value, _ = _deposit(rule, 3, 5, 10.0, members=(2, 3))  # worker 2 one step behind: averaged in
+    assert value == pytest.approx(20.0)
+    late, frontier = _deposit(rule, 1, 4, 50.0, members=(0, 1))  # the straggler arrives
+    assert late == pytest.approx(8.0) and frontier == 5  # it takes the round's average, and skips ahead
+
+
+def test_the_consensus_averages_the_latest_models_and_changes_nothing():
+    rule = _rule()
+    _deposit(rule, 0, 5, 10.0, members=(0, 1))
+    _deposit(rule, 1, 4, 20.0, members=(1, 2))  # one step behind the newest: in
+    _deposit(rule, 2, 1, 90.0, members=(2, 3))  # four behind: out
+    rounds, deposits = dict(rule.rounds), {w: dict(parts) for w, parts in rule.deposits.items()}
+    with rule.run.cond:
+        out, frontier = rule.consensus(3, [KEY])  # worker 3 never deposited; it may still ask
+    assert float(out[KEY][0]) == pytest.approx(15.0) and frontier == 5
+    assert rule.rounds == rounds and {w: dict(p) for w, p in rule.deposits.items()} == deposits
+    rule.run.live_workers.discard(3)
+    with rule.run.cond, pytest.raises(NotNow, match="worker 3 is not a live member"):
+        rule.consensus(3, [KEY])

@@ -83,3 +83,20 @@ def test_varint_matches_protobuf():
     for n in (0, 1, 127, 128, 300, 2**32, 2**64 - 1):
         encoded = tensor_pb2.TensorPart(offset=n).SerializeToString()
         assert encoded == (b"\x18" + wire.varint(n) if n else b"")
+
+
+def test_a_batch_of_small_parts_fits_a_stock_clients_receive_limit():
+    """Parts gathered into one message never take it past wire.BATCH_BYTES, and with the
+    message's other fields stay within gRPC's standard 4 MiB receive limit, whatever their sizes."""
+    messages = []
+    batch = wire.PartBatch(lambda: shard_pb2.PullResponse())
+    sizes = [wire.SMALL_PAYLOAD, 1, 200_000, wire.SMALL_PAYLOAD - 3, 0] * 12
+    for i, size in enumerate(sizes):
+        meta = tensor_pb2.TensorPart(name="n" * 200 + str(i), index=i, offset=i, count=size // 4, version=7)
+        if (full := batch.add(meta, b"x" * size)) is not None:
+            messages.append(full)
+    if (rest := batch.take()) is not None:
+        messages.append(rest)
+    assert sum(len(m.parts) for m in messages) == len(sizes) and len(messages) > 1
+    assert all(m.ByteSize() <= wire.BATCH_BYTES < 4 * 1024 * 1024 - 1024 for m in messages)
+    assert [p.index for m in messages for p in m.parts] == list(range(len(sizes)))  # in order

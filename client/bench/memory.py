@@ -76,7 +76,7 @@ def _run(
     shard_pid: int,
 ) -> int:
     """Run the job; the shard's shared resident KiB after the last round (segments still mapped)."""
-    run_id = submit_run(address, op, workers, "none", DEFAULT_PART_SIZE, 2 + rounds + 1, optimizer)
+    run_id = submit_run(address, op, workers, "none", DEFAULT_PART_SIZE, 2 + rounds, optimizer)
     job = Job(run_id, op, size_mib, "none", warmup=2, rounds=rounds, iters=1, transport=transport)
     bench_workers.start(job, workers)
     for _ in range(rounds):

@@ -21,11 +21,12 @@ from client.bench.options import json_option, write_json
 from client.local_cluster import LocalCluster
 from client.sdk import Client
 from client.usage import one_line_errors
+from gradps.channel import open_channel
 from gradps.codecs import parse_codec
 from gradps.device import device_option
 from gradps.parameter_client import TRANSPORTS
 from gradps.schemes import SCHEMES
-from gradps.v1 import run_pb2
+from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc
 
 # Per-step fields, in seconds, that a worker reports (see StepBreakdown).
 _FIELDS = (
@@ -82,6 +83,16 @@ class StepBreakdown:
     overlap_s: float
     exposed_comm_fraction: float
     steps: int
+    # Shards' checkpoints every this many seconds (0: none), and how many were written in the run.
+    checkpoint_every_s: float = 0.0
+    checkpoints: int = 0
+    # One checkpoint of every shard after the run (CheckpointRun, one shard after another): its
+    # bytes and write time (all shards), the longest lock hold for a snapshot, and a plain
+    # sequential write of as many bytes (one file, fsync) in the same folder.
+    checkpoint_bytes: int = 0
+    checkpoint_snapshot_s: float = 0.0
+    checkpoint_write_s: float = 0.0
+    plain_write_s: float = 0.0
 
 
 def _spawn_worker(
@@ -118,6 +129,33 @@ def _collect(processes: list[subprocess.Popen], outs: list[Path], timeout_s: flo
     return [(r["params"], r["records"]) for r in (json.loads(out.read_text()) for out in outs)]
 
 
+def _checkpoint_after(client: Client, run_id: str, folder: Path) -> dict[str, float]:
+    """Checkpoint the run on every shard now, then write as many bytes plainly (one file, fsync)
+    beside the checkpoints: the disk's own sequential speed, in the same run."""
+    answers = []
+    for address in client.cluster().shards:
+        with open_channel(address) as channel:
+            stub = shard_pb2_grpc.ShardServiceStub(channel)
+            answers.append(stub.CheckpointRun(shard_pb2.CheckpointRunRequest(run_id=run_id), timeout=600))
+    nbytes = sum(a.bytes for a in answers)
+    block = os.urandom(16 << 20)
+    began = time.perf_counter()
+    with open(folder / "plain-write.bin", "wb") as f:
+        for start in range(0, nbytes, len(block)):
+            f.write(block[: min(len(block), nbytes - start)])
+        f.flush()
+        os.fsync(f.fileno())
+    plain_s = time.perf_counter() - began
+    (folder / "plain-write.bin").unlink()
+    return {
+        "checkpoints": max(a.sequence for a in answers) - 1,
+        "checkpoint_bytes": nbytes,
+        "checkpoint_snapshot_s": max(a.snapshot_seconds for a in answers),
+        "checkpoint_write_s": sum(a.write_seconds for a in answers),  # one shard after another
+        "plain_write_s": plain_s,
+    }
+
+
 def measure_step(
     model: str,
     dataset: str,
@@ -131,8 +169,11 @@ def measure_step(
     device: str = "cpu",
     console: Console | None = None,
     transport: str = "shm",
+    checkpoint_every_s: float = 0.0,
 ) -> StepBreakdown:
-    """Train `warmup + steps` steps of a real run on a local cluster and break the steps down."""
+    """Train `warmup + steps` steps of a real run on a local cluster and break the steps down.
+    `checkpoint_every_s`: the shards checkpoint the run that often (in a temporary state dir,
+    which the coordinator keeps its runs in either way)."""
     log = console.log if console else (lambda *a, **k: None)
     spec = run_pb2.RunSpec(
         model=model,
@@ -144,8 +185,13 @@ def measure_step(
         codec=parse_codec(codec),
         eval_every=0,
         optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.01, momentum=0.9),
+        checkpoint_every_seconds=checkpoint_every_s,
     )
-    with LocalCluster(shards=shards, workers=0, device=device) as cluster, tempfile.TemporaryDirectory() as tmp:
+    saved: dict[str, float] = {}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LocalCluster(shards=shards, workers=0, device=device, state_dir=Path(tmp) / "state") as cluster,
+    ):
         outs = [Path(tmp) / f"worker-{i}.json" for i in range(workers)]
         token = cluster.role_token("worker")
         processes = [
@@ -154,10 +200,12 @@ def measure_step(
         try:
             with Client(cluster.address) as client:
                 client.wait_for_cluster(shards, workers)
-                client.submit(spec)
-            log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards, on {device}, "
-                f"{transport}")  # fmt: skip
-            done = _collect(processes, outs, timeout_s=3600)
+                run_id = client.submit(spec)
+                log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards, on {device}, "
+                    f"{transport}, checkpoints every {checkpoint_every_s:g} s")  # fmt: skip
+                done = _collect(processes, outs, timeout_s=3600)
+                if checkpoint_every_s:
+                    saved = _checkpoint_after(client, run_id, Path(tmp) / "state")
         finally:
             for p in processes:
                 if p.poll() is None:
@@ -179,7 +227,9 @@ def measure_step(
         params=done[0][0],
         exposed_comm_fraction=exposed / mean["step_s"] if mean["step_s"] else 0.0,
         steps=steps,
+        checkpoint_every_s=checkpoint_every_s,
         **mean,
+        **saved,  # type: ignore[arg-type]
     )
 
 
@@ -206,6 +256,14 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
         table.add_row(name, f"{seconds * 1e3:.1f}", f"{seconds / b.step_s:.1%}" if b.step_s else "-")
     table.add_row("exposed communication", "", f"{b.exposed_comm_fraction:.1%}")
     console.print(table)
+    if b.checkpoint_bytes:
+        mb = b.checkpoint_bytes / 1e6
+        console.print(
+            f"checkpoints every {b.checkpoint_every_s:g} s: {b.checkpoints} in the run; one more after it: "
+            f"{mb:.0f} MB, lock held {b.checkpoint_snapshot_s * 1e3:.0f} ms, written in {b.checkpoint_write_s:.2f} s "
+            f"({mb / b.checkpoint_write_s:.0f} MB/s); a plain sequential write of as many bytes: "
+            f"{b.plain_write_s:.2f} s ({mb / b.plain_write_s:.0f} MB/s)"
+        )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -226,6 +284,13 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
     help="Where payloads travel: shm (shared memory), stream (raw TCP data streams, as between hosts), "
     "grpc (in the messages).",
 )
+@click.option(
+    "--checkpoint-every",
+    default=0.0,
+    type=click.FloatRange(min=0),
+    help="Seconds between the shards' checkpoints of the run (0: none); then one more after the run, "
+    "timed beside a plain sequential write of as many bytes.",
+)
 @json_option("Write the result here.")
 @one_line_errors
 def step(
@@ -240,6 +305,7 @@ def step(
     codec: str,
     device: str,
     transport: str,
+    checkpoint_every: float,
     json_path: Path | None,
 ) -> None:
     """Time of one training step: compute, encode, push, wait, pull, decode, apply; overlap."""
@@ -249,8 +315,9 @@ def step(
         raise click.BadParameter(str(e), param_hint="--codec") from None
     console = Console(stderr=True)
     b = measure_step(
-        model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, console, transport
-    )
+        model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, console, transport,
+        checkpoint_every,
+    )  # fmt: skip
     print_breakdown(b, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
         write_json(json_path, asdict(b), console)

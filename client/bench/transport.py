@@ -8,6 +8,7 @@ import math
 import statistics
 import sys
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,6 +54,10 @@ class Row:
     # (data streams), "grpc", or "colocated" (each worker shares memory with one shard and streams
     # to the others; see client/bench/options.py).
     transport: str
+    # Every connection (gRPC and data streams) in TLS (`--tls`); the references never are.
+    tls: bool
+    # Every process serves Prometheus metrics and counts each call (`--metrics`).
+    metrics: bool
     # Where the workers' tensors and the shards' parts live ("cuda": payloads cross the PCIe bus
     # too; the TCP and gloo references stay on the host).
     device: str
@@ -92,10 +97,14 @@ def measure_transport(
     round_mib: float = ROUND_MIB,
     device: str = "cpu",
     console: Console | None = None,
+    tls_modes: Sequence[bool] = (False,),
+    metrics_modes: Sequence[bool] = (False,),
 ) -> list[Row]:
-    """Every (op, size, shards, workers, codec) combination. Each gRPC round runs right after a
-    TCP round and (for two or more workers) a gloo round of the same size, so that the ratios
-    compare measurements taken under the same load."""
+    """Every (op, size, shards, workers, codec) combination, on a plaintext cluster and/or one in
+    TLS (`tls_modes`), serving no metrics and/or counting every call for Prometheus
+    (`metrics_modes`). Each gRPC round runs right after a TCP round and (for two or more workers)
+    a gloo round of the same size, so that the ratios compare measurements taken under the same
+    load."""
     log = console.log if console else (lambda *a, **k: None)
     ops = [("push_pull", w) for w in workers_list] + [("sync_step", w) for w in workers_list if w > 1]
     rows: list[Row] = []
@@ -104,35 +113,50 @@ def measure_transport(
     glooes = {w: GlooReference(w) for w in sorted({w for w in workers_list if w > 1})}
     try:
         for n_shards in shards_list:
-            with LocalCluster(shards=n_shards, workers=0, device=device) as cluster:
-                with BenchWorkers(cluster.address, max(workers_list)) as bench_workers:
-                    for op, w in ops:
-                        for codec, transport, size_mib in itertools.product(codecs, transports, sizes_mib):
-                            log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, {codec}, {transport}")
-                            rows.append(
-                                _measure_one(
-                                    bench_workers,
-                                    cluster.address,
-                                    tcp,
-                                    glooes.get(w),
-                                    op,
-                                    size_mib,
-                                    n_shards,
-                                    w,
-                                    codec,
-                                    transport,
-                                    rounds,
-                                    warmup,
-                                    part_size,
-                                    round_mib,
-                                    device,
-                                )  # fmt: skip
-                            )
+            with ExitStack() as stack:
+                # One cluster per mode, side by side: each configuration is measured on each at once.
+                modes = itertools.product(tls_modes, metrics_modes)
+                clusters = [_cluster(stack, n_shards, max(workers_list), device, *mode) for mode in modes]
+                for (op, w), codec, transport, size_mib in itertools.product(ops, codecs, transports, sizes_mib):
+                    for (tls, counted), cluster, bench_workers in clusters:
+                        via = f"{transport}{' in TLS' if tls else ''}{' counted' if counted else ''}"
+                        log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, {codec}, {via}")
+                        rows.append(
+                            _measure_one(
+                                bench_workers,
+                                cluster.address,
+                                tcp,
+                                glooes.get(w),
+                                op,
+                                size_mib,
+                                n_shards,
+                                w,
+                                codec,
+                                transport,
+                                tls,
+                                counted,
+                                rounds,
+                                warmup,
+                                part_size,
+                                round_mib,
+                                device,
+                            )  # fmt: skip
+                        )
     finally:
         tcp.close()
         for gloo in glooes.values():
             gloo.close()
     return rows
+
+
+def _cluster(
+    stack: ExitStack, shards: int, workers: int, device: str, tls: bool, counted: bool
+) -> tuple[tuple[bool, bool], LocalCluster, BenchWorkers]:
+    """A local cluster (in TLS, with a CA of its own: `tls`; serving Prometheus metrics: `counted`)
+    and its bench workers, closed with `stack`."""
+    cluster = stack.enter_context(LocalCluster(shards=shards, workers=0, device=device, tls_certs=tls, metrics=counted))
+    workers_ = BenchWorkers(cluster.address, workers, tls=cluster.client_tls, metrics=counted)
+    return (tls, counted), cluster, stack.enter_context(workers_)
 
 
 def _measure_one(
@@ -146,6 +170,8 @@ def _measure_one(
     workers: int,
     codec: str,
     transport: str,
+    tls: bool,
+    counted: bool,
     rounds: int,
     warmup: int,
     part_size: int,
@@ -154,7 +180,7 @@ def _measure_one(
 ) -> Row:
     size = int(size_mib * MiB)
     n = _iters(size, round_mib * MiB)
-    run_id = submit_run(address, op, workers, codec, part_size, warmup + rounds * n + 1)
+    run_id = submit_run(address, op, workers, codec, part_size, warmup + rounds * n)
     bench_workers.start(Job(run_id, op, size_mib, codec, warmup, rounds, n, transport, device), workers)
     grpc_s, tcp_s, gloo_s = [], [], []
     for _ in range(rounds):
@@ -174,6 +200,8 @@ def _measure_one(
         workers=workers,
         codec=codec,
         transport=transport,
+        tls=tls,
+        metrics=counted,
         device=device,
         part_mib=part_size / MiB,
         seconds=seconds,
@@ -201,7 +229,10 @@ def print_rows(rows: list[Row], console: Console) -> None:
             str(r.shards),
             str(r.workers),
             r.codec,
-            r.transport if r.device == "cpu" else f"{r.transport} {r.device}",
+            r.transport
+            + (" tls" if r.tls else "")
+            + (" counted" if r.metrics else "")
+            + ("" if r.device == "cpu" else f" {r.device}"),
             f"{r.seconds * 1e3:.1f}",
             f"{r.gbps:.2f}",
             f"{r.tcp_gbps:.2f}",
@@ -210,6 +241,9 @@ def print_rows(rows: list[Row], console: Console) -> None:
             f"{r.ratio_vs_gloo:.2f}x" if r.ratio_vs_gloo else "-",
         )
     console.print(table)
+
+
+_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
@@ -236,6 +270,20 @@ def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) ->
     "--round-mib", default=ROUND_MIB, type=click.FloatRange(min=0, min_open=True), help="Least MiB a round moves."
 )
 @device_option("Where the workers' tensors and the shards' parts live.", default="cpu")
+@click.option(
+    "--tls",
+    type=click.Choice(["off", "on", "both"]),
+    default="off",
+    help="Every connection in TLS (a CA of the bench's own): off, on, or both, each configuration on "
+    "a plaintext cluster and then on one in TLS.",
+)
+@click.option(
+    "--metrics",
+    type=click.Choice(["off", "on", "both"]),
+    default="off",
+    help="Every process serving Prometheus metrics and counting each call: off, on, or both (a "
+    "cluster of each, measured side by side: the cost of metrics).",
+)
 @json_option()
 @click.option(
     "--plot",
@@ -255,6 +303,8 @@ def transport(
     part_size: float,
     round_mib: float,
     device: str,
+    tls: str,
+    metrics: str,
     json_path: Path | None,
     plot_path: Path | None,
 ) -> None:
@@ -273,6 +323,8 @@ def transport(
         round_mib=round_mib,
         device=device,
         console=console,
+        tls_modes=_MODES[tls],
+        metrics_modes=_MODES[metrics],
     )
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:

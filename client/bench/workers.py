@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gradps.auth.tls import TlsFiles
     from gradps.worker_session import WorkerSession
 
 MiB = 1 << 20
@@ -61,7 +62,7 @@ def _run_job(index: int, session: WorkerSession, job: Job, commands: mp.Queue, r
     generator = torch.Generator().manual_seed(index)
     params = {"params": torch.randn(n, generator=generator).to(job.device)}
     grads = {"params": (torch.randn(n, generator=generator) * 1e-3).to(job.device)}
-    total = job.warmup + job.rounds * job.iters + 1
+    total = job.warmup + job.rounds * job.iters  # the run's steps: done after the last one
     placement = session.placement(job.run_id, tensor_specs(params), total)
     none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
     owners = sorted({p.shard for p in placement.parts})
@@ -109,15 +110,33 @@ def _run_job(index: int, session: WorkerSession, job: Job, commands: mp.Queue, r
         results.put(("traffic", index, dict(vars(client.traffic))))
     finally:
         client.close()
-        session.report(job.run_id, cpb.Metrics(done=True, step=step, test_accuracy=-1.0))
+        # Done only after the run's last step (the coordinator refuses an early done); cut short, failed.
+        ended = {"done": True} if step >= total else {"error": f"bench worker stopped at step {step} of {total}"}
+        session.report(job.run_id, cpb.Metrics(step=step, test_accuracy=-1.0, **ended))
 
 
-def _worker_main(index: int, coordinator: str, commands: mp.Queue, results: mp.Queue) -> None:
-    """One bench worker: join, then serve jobs until told to stop (None)."""
+def _worker_main(
+    index: int,
+    coordinator: str,
+    commands: mp.Queue,
+    results: mp.Queue,
+    tls: TlsFiles | None = None,
+    metrics: bool = False,
+) -> None:
+    """One bench worker: join, then serve jobs until told to stop (None); with `tls`, every
+    connection (to the coordinator, to the shards, data streams) in TLS; with `metrics`, serving
+    Prometheus metrics on a free loopback port, as a worker service does."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
+    from gradps.auth.tls import set_process_tls
     from gradps.worker_session import WorkerSession
+
+    set_process_tls(tls)
+    if metrics:
+        from gradps.channel import serve_metrics
+
+        serve_metrics(0, "127.0.0.1", None)
 
     torch.set_num_threads(1)
     session = WorkerSession(coordinator, name=f"bench-{index}")
@@ -161,15 +180,24 @@ def submit_run(
 
 
 class BenchWorkers:
-    """`count` bench worker processes joined to the coordinator at `address`."""
+    """`count` bench worker processes joined to the coordinator at `address` (in TLS with `tls`)."""
 
-    def __init__(self, address: str, count: int, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        count: int,
+        timeout_s: float = 300.0,
+        tls: TlsFiles | None = None,
+        metrics: bool = False,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.timeout_s = timeout_s
         self._results = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(count)]
         self._processes = [
-            ctx.Process(target=_worker_main, args=(i, address, self._commands[i], self._results), daemon=True)
+            ctx.Process(
+                target=_worker_main, args=(i, address, self._commands[i], self._results, tls, metrics), daemon=True
+            )
             for i in range(count)
         ]
         for p in self._processes:

@@ -1,8 +1,11 @@
 """wagma (WAGMA-SGD, Li et al. 2021): each worker keeps its own model and averages it with a
-small group after every local step; groups follow a butterfly schedule; every tau steps a
-global synchronous average. The group round is wait-avoiding: see ps_server/schemes/wagma.py."""
+small group after every local step; groups follow a butterfly schedule; every tau steps the group
+is every worker. Every round is wait-avoiding (ps_server/schemes/wagma.py): only the final global
+average waits for everyone. Evaluation measures the consensus of the workers' models."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -20,20 +23,23 @@ class WagmaWorker(WorkerScheme):
         self.group_size = sp.group_size or default_group_size(self.world)
         self.tau = sp.tau or 10
         self.optimizer = ScheduledOptimizer(list(self.params.values()), replica.spec.optimizer, replica.total_steps)
+        self._consensus: torch.nn.Module | None = None  # a copy of the model, for evaluation
 
     def start(self) -> None:
         self.client.pull(self.params)
 
-    def _average(self, step: int, is_global: bool) -> tuple[dict[str, torch.Tensor], int, int]:
-        ranks = range(self.world) if is_global else group_of(self.rank, step, self.world, self.group_size)
+    def _average(self, step: int, everyone: bool, wait: bool = False) -> tuple[dict[str, torch.Tensor], int, int]:
+        """The round of `step`: this worker's group, or (`everyone`) every worker; `wait` for every
+        live member's deposit (the final model only)."""
+        ranks = range(self.world) if everyone else group_of(self.rank, step, self.world, self.group_size)
         members = sorted(self.ids[r] for r in ranks)
-        average, frontier = self.client.group_average(self.params, step, members, is_global)
+        average, frontier = self.client.group_average(self.params, step, members, is_global=wait)
         return average, frontier, len(members)
 
     def after_backward(self, step: int) -> int:
         grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in self.params.items()}
         is_global = step % self.tau == 0
-        average, frontier, size = self._average(step, is_global)
+        average, frontier, size = self._average(step, everyone=is_global)
         for name, p in self.params.items():
             if is_global:
                 p.copy_(average[name])
@@ -44,20 +50,32 @@ class WagmaWorker(WorkerScheme):
         if frontier <= step + 1:
             return step + 1
         # A late worker skips the rounds it missed and rejoins at the newest step. When that step
-        # is a global round, the others are already waiting in it: deposit now rather than after
-        # computing another gradient, so a straggler holds the global round up as little as it can.
+        # averages every worker, take that average now: the consensus, rather than a stale model.
         if frontier % self.tau == 0:
-            self._take_global(frontier)
+            self._take_average(frontier, wait=False)
             return frontier + 1
         return frontier
 
-    def _take_global(self, step: int) -> None:
-        average, _, _ = self._average(step, is_global=True)
+    def _take_average(self, step: int, wait: bool) -> None:
+        average, _, _ = self._average(step, everyone=True, wait=wait)
         for name, p in self.params.items():
             p.copy_(average[name])
 
+    def eval_model(self) -> torch.nn.Module:
+        """The consensus the shards form from every worker's latest model, rather than this
+        replica: what a user would deploy from the run at this point."""
+        average, _ = self.client.group_average(self.params, 0, sorted(self.ids), is_global=False, consensus=True)
+        if self._consensus is None:
+            self._consensus = copy.deepcopy(self.replica.model)
+        params = dict(self._consensus.named_parameters())
+        with torch.no_grad():
+            for name, values in average.items():
+                params[name].copy_(values)
+        return self._consensus
+
     def finish(self, steps_done: int) -> None:
-        """The final model is the global average; rank 0 publishes it to the shards for export."""
-        self._take_global(self.replica.total_steps)
+        """The final model is the global average, for which every live worker waits; rank 0
+        publishes it to the shards for export."""
+        self._take_average(self.replica.total_steps, wait=True)
         if self.rank == 0:
             self.client.register(self.params, overwrite=True)

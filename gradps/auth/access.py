@@ -21,7 +21,7 @@ _SHARD_SERVICE = shard_pb2.DESCRIPTOR.services_by_name["ShardService"]
 _SHARD_CALLS = {"RegisterShard", "ShardHeartbeat"}
 _JOIN_CALLS = {"JoinWorker"}
 _WORKER_CALLS = {
-    "CoordinatorService": {"Heartbeat", "GetAssignment", "GetPlacement", "ReportMetrics"},
+    "CoordinatorService": {"Heartbeat", "LeaveWorker", "GetAssignment", "GetPlacement", "ReportMetrics"},
     "ShardService": {
         "RegisterTensors",
         "Pull",
@@ -44,7 +44,7 @@ _ADMIN_CALLS = {
         "GetCluster",
         "ExportRun",
     },
-    "ShardService": {"OpenRun", "CloseRun", "EndRun", "SetMembership"},
+    "ShardService": {"OpenRun", "CloseRun", "EndRun", "SetMembership", "CheckpointRun"},
 }
 
 
@@ -96,8 +96,23 @@ def allowed(rule: Rule, caller: Caller) -> bool:
 
 # ---- the server side ------------------------------------------------------------------------------
 
-# The caller and the server's secret during a unary call's handler (JoinWorker mints with them).
+# The caller and the server's secret while a call's handler runs (JoinWorker mints with them; a
+# handler asks `acting_worker` which runs the caller may touch).
 _CALL: contextvars.ContextVar[tuple[Caller, ClusterSecret] | None] = contextvars.ContextVar("gradps_call", default=None)
+
+
+def current_caller() -> Caller | None:
+    """In a handler: who the call's token speaks for; None where the server checks no tokens."""
+    call = _CALL.get()
+    return None if call is None else call[0]
+
+
+def acting_worker() -> int | None:
+    """In a handler: the worker id the call's own worker token is bound to; None for an admin
+    call, or where the server checks no tokens. A handler refuses such a worker any run it is not
+    a member of (PERMISSION_DENIED), whatever the request names."""
+    caller = current_caller()
+    return None if caller is None else caller.worker_id
 
 
 def issue_worker_token(context: grpc.ServicerContext, worker_id: int) -> None:
@@ -218,8 +233,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 request = checked(request, caller, context)
             else:
                 self._check_worker(rule, caller, request, context)
-            if streams_out:
-                return behaviour(request, context)  # a generator: runs after this returns
+            if streams_out:  # a generator: runs after this returns
+                return _as_caller(behaviour(request, context), (caller, self._secret))
             reset = _CALL.set((caller, self._secret))
             try:
                 return behaviour(request, context)
@@ -227,6 +242,16 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 _CALL.reset(reset)
 
         return call
+
+
+def _as_caller(answers: Iterator[Any], call: tuple[Caller, ClusterSecret]) -> Iterator[Any]:
+    """A streamed answer, made with `call` as the current caller (gRPC runs each call in a
+    contextvars.Context of its own, and iterates its answer in one thread to its end)."""
+    _CALL.set(call)
+    try:
+        yield from answers
+    finally:
+        _CALL.set(None)
 
 
 def _shown(caller: Caller) -> str:

@@ -17,6 +17,7 @@ import torch
 from google.protobuf.message import Message
 
 from gradps import wire
+from gradps.auth.tls import TlsFiles
 from gradps.codecs import CodecError, max_wire_bytes
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError
 from gradps.errors import Invalid
@@ -115,17 +116,24 @@ class DataStreamRoute(Route):
 
     @classmethod
     def connect(
-        cls, stub: shard_pb2_grpc.ShardServiceStub, host: str, run_id: str, worker_id: int, timeout_s: float
+        cls,
+        stub: shard_pb2_grpc.ShardServiceStub,
+        host: str,
+        run_id: str,
+        worker_id: int,
+        timeout_s: float,
+        tls: TlsFiles | None = None,
     ) -> DataStreamRoute | None:
-        """A data stream to the shard at `host`; None when it cannot be opened (no data port, a
-        firewall): payloads go inline."""
+        """A data stream to the shard at `host` (inside TLS with `tls`, as the shard's channel);
+        None when it cannot be opened (no data port, a firewall, TLS on one side only): payloads
+        go inline."""
 
         def opener() -> DataStream | None:
             request = shard_pb2.OpenStreamRequest(run_id=run_id, worker_id=worker_id)
             wait = min(timeout_s, 10.0)
             try:
                 response = stub.OpenStream(request, timeout=wait)
-                return DataStream.connect(host, response.port, response.token, response.stream, wait)
+                return DataStream.connect(host, response.port, response.token, response.stream, wait, tls)
             except grpc.RpcError as e:
                 _LOGGER.info("%s: payloads inline (%s: %s)", host, e.code().name, e.details())
             except StreamError as e:

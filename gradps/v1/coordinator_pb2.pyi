@@ -265,6 +265,16 @@ class JoinWorkerResponse(_message.Message):
     heartbeat_interval_ms: int
     def __init__(self, worker_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
+class LeaveWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class LeaveWorkerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "run_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

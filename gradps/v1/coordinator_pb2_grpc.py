@@ -90,6 +90,11 @@ class CoordinatorServiceStub:
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.JoinWorkerRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_coordinator__pb2.JoinWorkerResponse.FromString,
                 _registered_method=True)
+        self.LeaveWorker = channel.unary_unary(
+                '/gradps.v1.CoordinatorService/LeaveWorker',
+                request_serializer=gradps_dot_v1_dot_coordinator__pb2.LeaveWorkerRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_coordinator__pb2.LeaveWorkerResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/gradps.v1.CoordinatorService/Heartbeat',
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
@@ -198,7 +203,19 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def JoinWorker(self, request, context):
-        """Worker: join the pool.
+        """Worker: join the pool. A worker then heartbeats (Heartbeat), long-polls GetAssignment, and
+        leaves with LeaveWorker when it exits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveWorker(self, request, context):
+        """Worker: leave the pool at once, as it exits: it leaves the idle pool (no run is given to it
+        any more), and a run it is training goes on without it exactly as if it had died (the
+        run's shards get the new membership; a run left with no live worker completes when the rest
+        finished, else fails). Its id is not reused; a later call with it is told to join again
+        (Heartbeat.rejoin). Leaving again is OK; NOT_FOUND for an id this coordinator never gave.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,7 +247,8 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportMetrics(self, request, context):
-        """Worker: progress, evaluation results, completion or failure.
+        """Worker: progress, evaluation results, completion or failure. A done report before the run's
+        last step is FAILED_PRECONDITION (Metrics.done) and changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -293,6 +311,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.JoinWorker,
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.JoinWorkerRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_coordinator__pb2.JoinWorkerResponse.SerializeToString,
+            ),
+            'LeaveWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveWorker,
+                    request_deserializer=gradps_dot_v1_dot_coordinator__pb2.LeaveWorkerRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_coordinator__pb2.LeaveWorkerResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -613,6 +636,33 @@ class CoordinatorService:
             '/gradps.v1.CoordinatorService/JoinWorker',
             gradps_dot_v1_dot_coordinator__pb2.JoinWorkerRequest.SerializeToString,
             gradps_dot_v1_dot_coordinator__pb2.JoinWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.CoordinatorService/LeaveWorker',
+            gradps_dot_v1_dot_coordinator__pb2.LeaveWorkerRequest.SerializeToString,
+            gradps_dot_v1_dot_coordinator__pb2.LeaveWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

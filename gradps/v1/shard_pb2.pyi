@@ -197,7 +197,7 @@ class PushResponse(_message.Message):
     def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class GroupAverageRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into", "stream", "part_count")
+    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into", "stream", "part_count", "consensus")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class GroupAverageRequest(_message.Message):
     INTO_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     PART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CONSENSUS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -218,7 +219,8 @@ class GroupAverageRequest(_message.Message):
     into: _tensor_pb2.SharedRegion
     stream: StreamCall
     part_count: int
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ...) -> None: ...
+    consensus: bool
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ..., consensus: _Optional[bool] = ...) -> None: ...
 
 class GroupAverageResponse(_message.Message):
     __slots__ = ("part", "parts")
@@ -301,3 +303,27 @@ class GetStatsResponse(_message.Message):
     min_version: int
     device: str
     def __init__(self, parts: _Optional[int] = ..., param_bytes: _Optional[int] = ..., pushes: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., min_version: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class CheckpointRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointRunResponse(_message.Message):
+    __slots__ = ("sequence", "step", "min_version", "max_version", "bytes", "snapshot_seconds", "write_seconds")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    step: int
+    min_version: int
+    max_version: int
+    bytes: int
+    snapshot_seconds: float
+    write_seconds: float
+    def __init__(self, sequence: _Optional[int] = ..., step: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., bytes: _Optional[int] = ..., snapshot_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ...) -> None: ...

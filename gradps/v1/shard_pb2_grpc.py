@@ -95,6 +95,11 @@ class ShardServiceStub:
                 request_serializer=gradps_dot_v1_dot_shard__pb2.GroupAverageRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_shard__pb2.GroupAverageResponse.FromString,
                 _registered_method=True)
+        self.CheckpointRun = channel.unary_unary(
+                '/gradps.v1.ShardService/CheckpointRun',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.CheckpointRunRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.CheckpointRunResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -207,7 +212,7 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Counters of a run on this shard.
+        """Admin or one of the run's workers -> shard: counters of a run on this shard.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,6 +224,20 @@ class ShardServiceServicer:
         a global round waits for every live member instead (at most 30 s, then it is fixed without
         the late ones). A deposit counts only once all of it has arrived, as a push
         (GroupAverageRequest.part_count); one sent again replaces the first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckpointRun(self, request, context):
+        """Admin or coordinator -> shard: write a checkpoint of a run now, under the shard's state dir
+        (its --state-dir): a snapshot of the run's parts, versions, optimizer state, scheme state and
+        pushes remembered for exactly-once, taken under the run's lock and written in the background
+        (safetensors files and a JSON manifest with a SHA-256 per file, made visible by one atomic
+        rename). Answers once the checkpoint is on disk; one already being written is waited for
+        first. FAILED_PRECONDITION when the shard has no state dir; NOT_FOUND for an unknown run.
+        A shard restarted with the same --shard-id and --state-dir serves each run from its latest
+        complete checkpoint.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -286,6 +305,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.GroupAverage,
                     request_deserializer=gradps_dot_v1_dot_shard__pb2.GroupAverageRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_shard__pb2.GroupAverageResponse.SerializeToString,
+            ),
+            'CheckpointRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckpointRun,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.CheckpointRunRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.CheckpointRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -613,6 +637,33 @@ class ShardService:
             '/gradps.v1.ShardService/GroupAverage',
             gradps_dot_v1_dot_shard__pb2.GroupAverageRequest.SerializeToString,
             gradps_dot_v1_dot_shard__pb2.GroupAverageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckpointRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.ShardService/CheckpointRun',
+            gradps_dot_v1_dot_shard__pb2.CheckpointRunRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.CheckpointRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

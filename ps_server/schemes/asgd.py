@@ -13,6 +13,7 @@ from gradps.optimizer import asynchrony_aware
 from gradps.placement import PartKey
 from gradps.v1 import run_pb2
 from ps_server.run_state import Part, Push, RunState
+from ps_server.saved_state import Saved, part_of
 from ps_server.schemes.base import ShardRule
 
 _MEAN_SQUARE_MOMENTUM = 0.95
@@ -47,6 +48,19 @@ class AsgdRule(ShardRule):
             backup = self.pulled.setdefault(worker_id, {})
             for p in parts:
                 backup[p.key] = p.values.clone()
+
+    def save(self, saved: Saved) -> None:
+        # DC-ASGD's backups (each worker's pulled weights) and adaptive lambda's mean squares.
+        saved.fields["pulled"] = [
+            [worker, *key, saved.put(values)] for worker, parts in self.pulled.items() for key, values in parts.items()
+        ]
+        saved.fields["mean_square"] = [[*key, saved.put(ms)] for key, ms in self.mean_square.items()]
+
+    def load(self, saved: Saved) -> None:
+        for worker, name, index, tensor in saved.fields["pulled"]:
+            self.pulled.setdefault(int(worker), {})[part_of([name, index])] = saved.get(tensor)
+        for name, index, tensor in saved.fields["mean_square"]:
+            self.mean_square[part_of([name, index])] = saved.get(tensor)
 
     def push(self, push: Push) -> int:
         staleness = 0

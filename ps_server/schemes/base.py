@@ -11,6 +11,7 @@ from gradps.errors import NotNow
 from gradps.placement import PartKey
 from gradps.v1 import run_pb2, shard_pb2
 from ps_server.run_state import Part, Push, RunState, Wait
+from ps_server.saved_state import Saved
 
 
 class ShardRule(ABC):
@@ -40,6 +41,19 @@ class ShardRule(ABC):
     @abstractmethod
     def push(self, push: Push) -> int:
         """Take a validated push; return its staleness. Raise NotNow to refuse it whole."""
+
+    def step(self) -> int:
+        """The run's step as this shard sees it, which RunSpec.checkpoint_every_steps counts: the
+        steps pushed (the highest step applied, plus one) by default."""
+        return max((max(steps) + 1 for steps in self.run.applied.values() if steps), default=0)
+
+    def save(self, saved: Saved) -> None:  # noqa: B027 (optional hook)
+        """Put the rule's own state (what it keeps beyond the parts and the optimizer) in `saved`,
+        for a checkpoint; tensors are copied by `saved.put`."""
+
+    def load(self, saved: Saved) -> None:  # noqa: B027 (optional hook)
+        """Take back what `save` put (tensors on the run's device): a restarted shard. Raises
+        KeyError or ValueError (TypeError) for a checkpoint that does not hold it."""
 
     def membership_changed(self) -> None:  # noqa: B027 (optional hook)
         """The live workers changed; finish anything that was waiting for the dead."""
@@ -71,4 +85,9 @@ class ShardRule(ABC):
         `deposit` holds every part of the run on this shard (the service checks it). `wait` is how
         the round waits for the other members (the caller's: it ends when the call does, with
         Cancelled or TimedOut); `run.cond.wait_for` when None."""
+        raise NotNow(f"scheme {self.run.spec.scheme!r} has no group rounds")
+
+    def consensus(self, worker_id: int, keys: list[PartKey]) -> tuple[dict[PartKey, torch.Tensor], int]:
+        """The run's consensus model of `keys` (wagma: the average of the latest deposits) and the
+        highest step deposited."""
         raise NotNow(f"scheme {self.run.spec.scheme!r} has no group rounds")

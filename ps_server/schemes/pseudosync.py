@@ -9,6 +9,7 @@ from gradps.errors import NotNow
 from gradps.placement import PartKey
 from gradps.v1 import shard_pb2
 from ps_server.run_state import Part, RunState
+from ps_server.saved_state import Saved, part_of
 from ps_server.schemes.base import ShardRule
 from ps_server.schemes.sync import SyncRule
 
@@ -34,6 +35,18 @@ class PseudosyncRule(SyncRule):
             history[step] = mean
             for old in [s for s in history if s <= step - _KEEP_STEPS]:
                 del history[old]
+
+    def save(self, saved: Saved) -> None:
+        super().save(saved)
+        # The global gradients served to the workers' predictors.
+        saved.fields["reduced"] = [
+            [*key, step, saved.put(mean)] for key, history in self.reduced.items() for step, mean in history.items()
+        ]
+
+    def load(self, saved: Saved) -> None:
+        super().load(saved)
+        for name, index, step, tensor in saved.fields["reduced"]:
+            self.reduced.setdefault(part_of([name, index]), {})[int(step)] = saved.get(tensor)
 
     def pull_ready(self, parts: list[Part], request: shard_pb2.PullRequest) -> bool:
         if not request.gradient:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gradps.v1 import shard_pb2
 from ps_server.run_state import Part, Push, RunState
+from ps_server.saved_state import Saved
 from ps_server.schemes.asgd import AsgdRule
 
 
@@ -20,6 +21,14 @@ class SspRule(AsgdRule):
         staleness = super().push(push)
         self.clock[push.worker_id] = max(self.clock.get(push.worker_id, 0), push.step + 1)
         return staleness
+
+    def save(self, saved: Saved) -> None:
+        super().save(saved)
+        saved.fields["clock"] = sorted(self.clock.items())
+
+    def load(self, saved: Saved) -> None:
+        super().load(saved)
+        self.clock = {int(worker): int(clock) for worker, clock in saved.fields["clock"]}
 
     def slowest_clock(self) -> int:
         return min((self.clock.get(w, 0) for w in self.run.live_workers), default=0)

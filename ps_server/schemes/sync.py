@@ -8,6 +8,7 @@ from gradps.codecs import SparsePart
 from gradps.errors import NotNow
 from gradps.placement import PartKey
 from ps_server.run_state import Part, Push, RunState
+from ps_server.saved_state import Saved, part_of
 from ps_server.schemes.base import ShardRule
 
 
@@ -56,6 +57,23 @@ class SyncRule(ShardRule):
             completed += self._complete_ready(key)
         self._complete(completed)
         return 0
+
+    def step(self) -> int:
+        # Steps completed on every part: a checkpoint at step t is a step boundary.
+        return min((p.version for p in self.run.parts.values()), default=0)
+
+    def save(self, saved: Saved) -> None:
+        # Partial sums of steps not yet complete (a late worker's, or with backup workers).
+        saved.fields["pending"] = [
+            [*key, step, sorted(contributors), saved.put(total)]
+            for key, steps in self.pending.items()
+            for step, (total, contributors) in steps.items()
+        ]
+
+    def load(self, saved: Saved) -> None:
+        for name, index, step, contributors, tensor in saved.fields["pending"]:
+            steps = self.pending.setdefault(part_of([name, index]), {})
+            steps[int(step)] = (saved.get(tensor), {int(w) for w in contributors})
 
     def membership_changed(self) -> None:
         self._complete([c for key in list(self.pending) for c in self._complete_ready(key)])

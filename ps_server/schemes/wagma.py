@@ -1,9 +1,11 @@
 """wagma (WAGMA-SGD, Li et al. 2021): wait-avoiding group model averaging, held on the shards.
 
 Each worker keeps its own model and deposits it for the round (step, group). The first arrival
-fixes the round's average from every live member's latest deposit at that moment (a late member
-contributes its previous, stale model); every member, early or late, receives that same average;
-nobody waits for a straggler. A global round (every tau steps) waits for every live member.
+fixes the round's average from every live member's latest deposit at that moment, left out where
+it is more than `MAX_LAG` steps older than the round (a straggler's stale model would pull the
+up-to-date ones back; it rejoins with the round's average when it arrives); every member, early or
+late, receives that same average; nobody waits for a straggler. Only a global round (the final
+model) waits for every live member.
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ import torch
 from gradps.errors import NotNow
 from gradps.placement import PartKey
 from ps_server.run_state import Push, RunState, Wait
+from ps_server.saved_state import Saved, part_of
 from ps_server.schemes.base import ShardRule
 
 # Deposits kept per worker and part: the newest, and one older in case a newer step arrives
 # before an older round is fixed (a newer deposit is never mixed into an older round).
 _KEEP_DEPOSITS = 2
+# A deposit at most this many steps older than a round is averaged into it. One step is the normal
+# lag of a group's other members when the first one arrives (they deposited the previous step);
+# measured on digits (docs/schemes.md), 1 converges in as many steps as sync, 2 and more slower.
+MAX_LAG = 1
 # A live member that has not reached a global round after this long is treated like a late member
 # of a group round (its latest model is used): a global round must never hang the run.
 _GLOBAL_WAIT_S = 30.0
@@ -37,6 +44,33 @@ class WagmaRule(ShardRule):
         self.rounds: dict[RoundKey, dict[PartKey, torch.Tensor]] = {}
         # Highest step deposited by anyone: a late worker skips ahead to it.
         self.frontier = 0
+
+    def step(self) -> int:
+        return self.frontier
+
+    def save(self, saved: Saved) -> None:
+        # Each worker's kept deposits and the fixed rounds a late member may still ask for.
+        saved.fields["deposits"] = [
+            [worker, *key, step, saved.put(values)]
+            for worker, parts in self.deposits.items()
+            for key, history in parts.items()
+            for step, values in history
+        ]
+        saved.fields["rounds"] = [
+            [step, sorted(members), *key, saved.put(values)]
+            for (step, members), result in self.rounds.items()
+            for key, values in result.items()
+        ]
+        saved.fields["frontier"] = self.frontier
+
+    def load(self, saved: Saved) -> None:
+        for worker, name, index, step, tensor in saved.fields["deposits"]:
+            history = self.deposits.setdefault(int(worker), {}).setdefault(part_of([name, index]), [])
+            history.append((int(step), saved.get(tensor)))  # saved oldest first
+        for step, members, name, index, tensor in saved.fields["rounds"]:
+            result = self.rounds.setdefault((int(step), frozenset(int(m) for m in members)), {})
+            result[part_of([name, index])] = saved.get(tensor)
+        self.frontier = int(saved.fields["frontier"])
 
     def push(self, push: Push) -> int:
         raise NotNow("wagma workers exchange models with GroupAverage, not gradients")
@@ -82,6 +116,13 @@ class WagmaRule(ShardRule):
             self._prune()
         return {key: result[key] for key in deposit}, self.frontier
 
+    def consensus(self, worker_id: int, keys: list[PartKey]) -> tuple[dict[PartKey, torch.Tensor], int]:
+        """The average of every live member's latest deposit, as of the newest step; nothing is
+        stored."""
+        if worker_id not in self.run.live_workers:
+            raise NotNow(f"worker {worker_id} is not a live member of the run")
+        return self._fix_round(self.frontier, frozenset(self.run.live_workers), keys), self.frontier
+
     def _check_kept(self, worker_id: int, step: int, deposit: dict[PartKey, torch.Tensor]) -> None:
         """Refuse, before anything changes, a deposit older than the rounds this shard still keeps:
         the worker's kept deposits are all newer, so its own would be dropped at once and the round
@@ -95,15 +136,16 @@ class WagmaRule(ShardRule):
                 )
 
     def _deposit(self, worker: int, key: PartKey, step: int, exact: bool = False) -> torch.Tensor | None:
-        """The worker's latest deposit of `key` made at or before `step` (exactly at, if `exact`)."""
+        """The worker's latest deposit of `key` made at or before `step` and at most MAX_LAG steps
+        before it (exactly at, if `exact`)."""
         for s, values in reversed(self.deposits.get(worker, {}).get(key, [])):
-            if s == step or (s < step and not exact):
-                return values
+            if s <= step:
+                return values if s == step or (not exact and step - s <= MAX_LAG) else None
         return None
 
     def _fix_round(self, step: int, members: frozenset[int], keys: list[PartKey]) -> dict[PartKey, torch.Tensor]:
         """The average of each live member's latest deposit at or before `step`; members that
-        have not deposited yet are left out."""
+        have not deposited yet, or only more than MAX_LAG steps before, are left out."""
         result = {}
         for key in keys:
             deposits = (self._deposit(m, key, step) for m in sorted(members & self.run.live_workers))

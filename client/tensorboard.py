@@ -1,0 +1,42 @@
+"""A run's curves as TensorBoard event files: `gradps train --tensorboard DIR` (and `compare`).
+
+One TensorBoard run per gradps run (DIR/<name>): the run's loss, test accuracy, samples/s (in
+all and by rank, where a straggler shows), mean staleness of its pushes and the fraction of time
+its workers waited, each at the step the workers had reached on average (client.run_figures).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from client import run_figures
+from gradps.v1 import coordinator_pb2 as cpb
+
+
+class RunBoard:
+    """Writes one run's metrics, as the coordinator streams them, to `log_dir`."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def add(self, run: cpb.RunStatus, metrics: cpb.Metrics) -> None:
+        """One worker's report, with the run's latest reports of every worker."""
+        latest = list(run.latest) or [metrics]
+        step = round(run_figures.mean_step(latest))
+        scalar = self._writer.add_scalar
+        scalar("loss", run_figures.mean_loss(latest), step)
+        if metrics.test_accuracy >= 0:  # evaluated at this report (-1: not evaluated)
+            scalar("test_accuracy", metrics.test_accuracy, metrics.step)
+            scalar("test_loss", metrics.test_loss, metrics.step)
+        if rates := run_figures.rates_by_rank(latest):
+            scalar("samples_per_second", sum(rates.values()), step)
+            self._writer.add_scalars("samples_per_second_by_rank", {f"rank{r}": v for r, v in rates.items()}, step)
+        if (staleness := run_figures.mean_staleness(latest)) is not None:
+            scalar("staleness", staleness, step)
+        if (waited := run_figures.wait_fraction(latest)) is not None:
+            scalar("wait_fraction", waited, step)
+
+    def close(self) -> None:
+        self._writer.close()

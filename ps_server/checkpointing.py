@@ -1,0 +1,260 @@
+"""When a shard checkpoints its runs, where the checkpoints live, and what a restarted shard takes
+back (the files themselves: ps_server/checkpoint.py).
+
+Under the shard's state dir (--state-dir), its folder `shard-<shard id>/` holds one folder per run:
+
+  <run>/run.binpb        the OpenRunRequest that opened the run (spec, placement, workers)
+  <run>/ckpt-<sequence>/ the run's last K checkpoints, newest highest
+
+A checkpoint is due when the run's step (ShardRule.step) reaches the next multiple of
+RunSpec.checkpoint_every_steps, or checkpoint_every_seconds have passed since the last one,
+checked whenever a push or deposit is applied. Its snapshot is taken there, under the run's lock;
+it is written in a background thread, at most one in flight per run (a checkpoint due while one
+is being written is skipped). A shard started on the same state dir and shard id serves each run
+from its newest checkpoint that reads back whole, falling back to older ones, one line for each
+refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from google.protobuf.message import DecodeError
+
+from gradps import metrics
+from gradps.errors import one_line
+from gradps.v1 import shard_pb2
+from ps_server import checkpoint
+from ps_server.checkpoint import CheckpointError, Expected, Written
+from ps_server.run_state import RunState
+from ps_server.schemes import ShardRule
+
+_LOGGER = logging.getLogger("gradps.shard")
+OPEN_RUN = "run.binpb"
+# Checkpoints kept per run unless the shard says otherwise (--keep-checkpoints).
+KEEP = 3
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def run_folder_name(run_id: str) -> str:
+    """A run's folder: its id where that is a plain file name, else a digest of it."""
+    if _SAFE_NAME.fullmatch(run_id):
+        return run_id
+    return "run-" + hashlib.sha256(run_id.encode()).hexdigest()[:32]
+
+
+@dataclass
+class Outcome:
+    """How the checkpoint being written ended: on disk, or why not."""
+
+    written: Written | None = None
+    error: str = ""
+    snapshot_seconds: float = 0.0
+
+
+class RunCheckpoints:
+    """One run's checkpoints on this shard: when the next is due, the one in flight, the last K."""
+
+    def __init__(self, folder: Path, shard_id: str, request: shard_pb2.OpenRunRequest, keep: int) -> None:
+        self.folder = folder
+        self.shard_id = shard_id
+        self.request = request
+        self.keep = keep
+        self.expected = Expected(request.run_id, shard_id, checkpoint.open_run_digest(request))
+        spec = request.spec
+        self.every_steps = spec.checkpoint_every_steps
+        self.every_s = spec.checkpoint_every_seconds
+        self.sequence = max(self.sequences(), default=0)
+        self.last_step = 0
+        self.last_time = time.monotonic()
+        # Checkpoints due while one was being written.
+        self.skipped = 0
+        self._cond = threading.Condition()
+        self._writing = False
+        self._outcomes: dict[int, Outcome] = {}
+        self._closed = False
+
+    def sequences(self) -> list[int]:
+        """Sequence numbers of the complete (renamed) checkpoints, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for path in self.folder.iterdir():
+            digits = path.name.removeprefix(checkpoint.PREFIX)
+            if path.name.startswith(checkpoint.PREFIX) and digits.isdigit():
+                found.append(int(digits))
+        return sorted(found)
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    def due(self, rule: ShardRule) -> bool:
+        """Whether the run's interval says a checkpoint is due now (call with `run.cond` held)."""
+        if self.every_steps and rule.step() // self.every_steps > self.last_step // self.every_steps:
+            return True
+        return bool(self.every_s) and time.monotonic() - self.last_time >= self.every_s
+
+    def start(self, run: RunState, rule: ShardRule) -> int | None:
+        """Take a snapshot now (call with `run.cond` held) and write it in the background; its
+        sequence number, or None when one is in flight (at most one is) or the run was removed."""
+        with self._cond:
+            if self._writing or self._closed:
+                self.skipped += 1
+                return None
+            self._writing = True
+            self.sequence += 1
+            sequence = self.sequence
+        try:
+            snapshot = checkpoint.take(run, rule, self.shard_id, sequence, self.expected.open_digest)
+        except BaseException:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+            raise
+        self.last_step, self.last_time = rule.step(), time.monotonic()
+        threading.Thread(target=self._write, args=(snapshot,), name=f"checkpoint-{run.run_id}", daemon=True).start()
+        return sequence
+
+    def _write(self, snapshot: checkpoint.Snapshot) -> None:
+        outcome = Outcome(snapshot_seconds=snapshot.seconds)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if not (self.folder / OPEN_RUN).exists():
+                checkpoint.write_atomically(self.folder / OPEN_RUN, self.request.SerializeToString(deterministic=True))
+            outcome.written = checkpoint.write(snapshot, self.folder)
+            self._prune()
+            w = outcome.written
+            scheme = self.request.spec.scheme
+            metrics.SHARD_CHECKPOINT_SECONDS.labels(scheme, "snapshot").observe(snapshot.seconds)
+            metrics.SHARD_CHECKPOINT_SECONDS.labels(scheme, "write").observe(w.seconds)
+            metrics.SHARD_CHECKPOINT_BYTES.labels(scheme).inc(w.nbytes)
+            _LOGGER.info(
+                "run %s: checkpoint %d at step %d, %.1f MB in %.2f s (lock held %.3f s)",
+                snapshot.run_id,
+                w.sequence,
+                w.step,
+                w.nbytes / 1e6,
+                w.seconds,
+                snapshot.seconds,
+            )
+        except OSError as e:  # a full or read-only disk: the run goes on, without this checkpoint
+            outcome.error = f"checkpoint of run {snapshot.run_id!r} under {self.folder}: {one_line(e)}"
+            metrics.SHARD_CHECKPOINT_FAILURES.labels(self.request.spec.scheme).inc()
+            _LOGGER.warning("%s", outcome.error)
+        finally:
+            with self._cond:
+                self._outcomes[int(snapshot.manifest["sequence"])] = outcome
+                self._writing = False
+                self._cond.notify_all()
+
+    def _prune(self) -> None:
+        for sequence in self.sequences()[: -self.keep]:
+            checkpoint.remove_tree(self.folder / f"{checkpoint.PREFIX}{sequence:08d}")
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no checkpoint is being written; False after `timeout_s`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._writing, timeout=timeout_s)
+
+    def outcome(self, sequence: int, timeout_s: float | None = None) -> Outcome | None:
+        """How checkpoint `sequence` ended, once it has (None after `timeout_s`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: sequence in self._outcomes, timeout=timeout_s)
+            return self._outcomes.pop(sequence, None)
+
+    def remove(self) -> None:
+        """The run is closed on this shard: its checkpoints go (after the one in flight)."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: not self._writing)
+        if self.folder.is_dir():
+            for sequence in self.sequences():
+                checkpoint.remove_tree(self.folder / f"{checkpoint.PREFIX}{sequence:08d}")
+            for path in self.folder.iterdir():
+                path.unlink() if path.is_file() else checkpoint.remove_tree(path)
+            self.folder.rmdir()
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def load_latest(self, device: torch.device) -> tuple[RunState, ShardRule, Written] | None:
+        """The run from its newest checkpoint that reads back whole; older ones in turn when it
+        does not (a line for each refused); None when none does."""
+        for sequence in reversed(self.sequences()):
+            path = self.folder / f"{checkpoint.PREFIX}{sequence:08d}"
+            try:
+                snapshot = checkpoint.read(path, self.expected, device)
+                run, rule = checkpoint.restore(snapshot, self.request, device)
+            except CheckpointError as e:
+                _LOGGER.warning("refused %s", e)
+                continue
+            m = snapshot.manifest
+            self.last_step, self.last_time = int(m["step"]), time.monotonic()
+            nbytes = sum(int(f["bytes"]) for f in m["files"].values())
+            return run, rule, Written(path, sequence, m["step"], m["min_version"], m["max_version"], nbytes, 0.0)
+        return None
+
+
+class ShardCheckpoints:
+    """Every run's checkpoints of one shard: `state_dir`/shard-<shard id>/."""
+
+    def __init__(self, state_dir: Path, shard_id: str, keep: int = KEEP) -> None:
+        if not _SAFE_NAME.fullmatch(shard_id):
+            raise ValueError(f"shard id {shard_id!r}: 1 to 128 letters, digits, '.', '_' or '-'")
+        self.root = state_dir / f"shard-{shard_id}"
+        self.shard_id = shard_id
+        self.keep = keep
+
+    def for_run(self, request: shard_pb2.OpenRunRequest) -> RunCheckpoints:
+        return RunCheckpoints(self.root / run_folder_name(request.run_id), self.shard_id, request, self.keep)
+
+    def restore(self, device: torch.device) -> list[tuple[RunState, ShardRule, RunCheckpoints]]:
+        """Every run this shard checkpointed, each from its newest checkpoint that reads back
+        whole; temporary folders of writes cut short are removed."""
+        restored = []
+        folders = sorted(p for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
+        for folder in folders:
+            for temp in folder.glob(f".{checkpoint.PREFIX}*.tmp"):
+                _LOGGER.info("removed %s: a checkpoint cut short", temp)
+                checkpoint.remove_tree(temp)
+            request = _open_request(folder)
+            if request is None:
+                continue
+            saving = RunCheckpoints(folder, self.shard_id, request, self.keep)
+            loaded = saving.load_latest(device)
+            if loaded is None:
+                _LOGGER.warning("run %s: no checkpoint in %s reads back whole; not restored", request.run_id, folder)
+                continue
+            run, rule, written = loaded
+            _LOGGER.info(
+                "run %s restored from %s: step %d, versions %d..%d",
+                run.run_id,
+                written.path,
+                written.step,
+                written.min_version,
+                written.max_version,
+            )
+            restored.append((run, rule, saving))
+        return restored
+
+
+def _open_request(folder: Path) -> shard_pb2.OpenRunRequest | None:
+    path = folder / OPEN_RUN
+    request = shard_pb2.OpenRunRequest()
+    try:
+        request.ParseFromString(path.read_bytes())
+    except FileNotFoundError:
+        _LOGGER.warning("refused %s: missing", path)
+        return None
+    except (OSError, DecodeError) as e:
+        _LOGGER.warning("refused %s: %s", path, one_line(e))
+        return None
+    if run_folder_name(request.run_id) != folder.name:
+        _LOGGER.warning("refused %s: it opens run %r, not the folder's", path, request.run_id)
+        return None
+    return request
