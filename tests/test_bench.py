@@ -184,3 +184,29 @@ def test_the_transport_bench_measures_the_cost_of_metrics_side_by_side(tmp_path:
     rows = json.loads(out.read_text())
     assert [(r["transport"], r["metrics"]) for r in rows] == [("shm", False), ("shm", True)]
     assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in rows)
+
+
+def test_a_long_transport_table_is_shortened_to_the_largest_size() -> None:
+    import io
+
+    from rich.console import Console
+
+    from client.bench.transport import Row, print_rows
+
+    def row(size: float, transport: str) -> Row:
+        return Row(
+            op="push_pull", size_mib=size, shards=1, workers=1, codec="none", transport=transport, tls=False,
+            metrics=False, device="cpu", part_mib=4.0, seconds=0.01, gbps=1.0, tcp_gbps=2.0, ratio_vs_tcp=0.5,
+            gloo_seconds=None, ratio_vs_gloo=None, seconds_min=0.01, rounds=1, encode_s=0.0, decode_s=0.0,
+        )  # fmt: skip
+
+    def printed(rows: list[Row]) -> str:
+        out = io.StringIO()
+        print_rows(rows, Console(file=out, width=200))
+        return out.getvalue()
+
+    few = [row(size, "shm") for size in (1, 16, 64)]
+    assert printed(few).count("push_pull") == 3 and "rows measured" not in printed(few)
+    many = [row(size, t) for size in (1, 16, 64, 256) for t in ("shm", "stream", "grpc") for _ in range(3)]
+    text = printed(many)
+    assert text.count("push_pull") == 9 and "36 rows measured; shown: the 256 MiB ones." in text

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from client.bench.options import (
@@ -105,10 +106,23 @@ def measure_transport(
     (`metrics_modes`). Each gRPC round runs right after a TCP round and (for two or more workers)
     a gloo round of the same size, so that the ratios compare measurements taken under the same
     load."""
-    log = console.log if console else (lambda *a, **k: None)
     ops = [("push_pull", w) for w in workers_list] + [("sync_step", w) for w in workers_list if w > 1]
     rows: list[Row] = []
-    log("starting the references: a TCP echo process and gloo process groups")
+    # One line that shows what is measured and how far along, rather than a line per configuration.
+    configurations = len(shards_list) * len(ops) * len(codecs) * len(transports) * len(sizes_mib)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=console is None,
+    )
+    task = progress.add_task(
+        "starting the references (TCP echo, gloo)", total=configurations * len(tls_modes) * len(metrics_modes)
+    )
+    progress.start()
     tcp = TcpReference()
     glooes = {w: GlooReference(w) for w in sorted({w for w in workers_list if w > 1})}
     try:
@@ -120,7 +134,8 @@ def measure_transport(
                 for (op, w), codec, transport, size_mib in itertools.product(ops, codecs, transports, sizes_mib):
                     for (tls, counted), cluster, bench_workers in clusters:
                         via = f"{transport}{' in TLS' if tls else ''}{' counted' if counted else ''}"
-                        log(f"{op}: {size_mib:g} MiB, {n_shards} shards, {w} workers, {codec}, {via}")
+                        shape = f"{n_shards} shard{'s' * (n_shards > 1)}, {w} worker{'s' * (w > 1)}"
+                        progress.update(task, description=f"{op} {size_mib:g} MiB, {shape}, {codec}, {via}")
                         rows.append(
                             _measure_one(
                                 bench_workers,
@@ -142,7 +157,9 @@ def measure_transport(
                                 device,
                             )  # fmt: skip
                         )
+                        progress.advance(task)
     finally:
+        progress.stop()
         tcp.close()
         for gloo in glooes.values():
             gloo.close()
@@ -217,12 +234,20 @@ def _measure_one(
     )
 
 
+# Beyond this many rows the table shows each configuration at its largest size only.
+_SHORT_TABLE_ROWS = 24
+
+
 def print_rows(rows: list[Row], console: Console) -> None:
+    """The rows as a table; a long matrix shortened to each configuration's largest size, with a
+    line saying so (`--json FILE` keeps every row)."""
+    largest = max((r.size_mib for r in rows), default=0.0)
+    shown = rows if len(rows) <= _SHORT_TABLE_ROWS else [r for r in rows if r.size_mib == largest]
     table = Table(
         "op", "MiB", "shards", "workers", "codec", "via", "ms", "GB/s", "TCP GB/s", "vs TCP", "gloo ms", "vs gloo",
         title="gradps bench transport (medians; GB/s = fp32 bytes pushed + pulled over all workers)",
     )  # fmt: skip
-    for r in rows:
+    for r in shown:
         table.add_row(
             r.op,
             f"{r.size_mib:g}",
@@ -241,6 +266,8 @@ def print_rows(rows: list[Row], console: Console) -> None:
             f"{r.ratio_vs_gloo:.2f}x" if r.ratio_vs_gloo else "-",
         )
     console.print(table)
+    if len(shown) < len(rows):
+        console.print(f"{len(rows)} rows measured; shown: the {largest:g} MiB ones. --json FILE keeps every row.")
 
 
 _MODES = {"off": (False,), "on": (True,), "both": (False, True)}

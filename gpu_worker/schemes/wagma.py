@@ -50,8 +50,9 @@ class WagmaWorker(WorkerScheme):
         if frontier <= step + 1:
             return step + 1
         # A late worker skips the rounds it missed and rejoins at the newest step. When that step
-        # averages every worker, take that average now: the consensus, rather than a stale model.
-        if frontier % self.tau == 0:
+        # averages every worker, take that average now: the consensus, rather than a stale model
+        # (but not at the last step, whose average `finish` waits for everyone to fix).
+        if frontier % self.tau == 0 and frontier < self.replica.total_steps:
             self._take_average(frontier, wait=False)
             return frontier + 1
         return frontier
