@@ -194,6 +194,8 @@ def _check_against_summary(prom: Prometheus, summary: dict, latest: list, calls:
         "gradps_shard_push_seconds_count": calls,
     }
     measured = {series: total(series) for series in figures}
+    for series, expected in figures.items():  # `pytest -s` shows them side by side
+        print(f"{series}: PromQL {measured[series]!r}, summary.json {expected!r}")
     assert measured == pytest.approx(figures), measured
     assert summary["bytes_pushed"] > 0
     # Labels say where the bytes went: codec none, shared memory (the local cluster's default).
