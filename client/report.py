@@ -130,7 +130,9 @@ def follow(
                     if m.test_accuracy >= 0:
                         accuracy = m.test_accuracy
                         curve.append({"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy})
-                    if m.done and m.test_accuracy >= 0:
+                    # The final accuracy is rank 0's, whose model is the one exported (a launched
+                    # run's rank 0 holds the averaged buffers); another rank's only until it reports.
+                    if m.done and m.test_accuracy >= 0 and (final is None or final.rank != 0):
                         final = m
                 _show(progress, task, run, accuracy)
                 if run.state in _ENDED:
