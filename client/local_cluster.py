@@ -17,6 +17,7 @@ from gradps.auth import tls
 from gradps.auth.certs import make_certs
 from gradps.auth.client_tokens import forget, read_token_file, remember, store_token, unstore_token, write_private_file
 from gradps.auth.tokens import ADMIN, WORKER, ClusterSecret
+from gradps.netem import EmulatedNetwork, Layout
 
 # Each shard and worker is a process with its own torch (~300 MiB): a typo such as --workers 4000
 # must not fork the machine to a halt.
@@ -41,13 +42,17 @@ class LocalCluster:
         tls_certs: str | os.PathLike | bool = False,
         port: int = 0,
         tls_client_auth: bool = False,
+        network: EmulatedNetwork | None = None,
+        layout: Layout | None = None,
     ) -> None:
         """`state_dir`: where the coordinator keeps its runs (a later cluster with the same one takes
         them back); None: in memory. `metrics`: every process serves Prometheus metrics on a free
         loopback port (`metrics_targets`). `tls_certs`: every connection in TLS, with the
         certificates of a `gradps certs` folder, or (True) of a CA of its own; `tls_client_auth`:
         mTLS, the workers and this process presenting the folder's client certificate. `port`: the
-        coordinator's (0: a free one)."""
+        coordinator's (0: a free one). `network`: every process on a host of that emulated network,
+        as `layout` places it (default: colocated), binding its host's address; the caller must be
+        on one of its hosts too (`gradps.netem.enter`) to reach them."""
         if shards < 1 or workers < 0:
             raise GradpsError("a local cluster needs at least 1 shard")
         if shards + workers > MAX_PROCESSES:
@@ -57,6 +62,10 @@ class LocalCluster:
             )
         self.n_shards = shards
         self.n_workers = workers
+        self.network = network
+        self.layout = layout or Layout.colocated(shards, max(workers, 1))
+        if network and self.layout.hosts > network.hosts:
+            raise GradpsError(f"the layout needs {self.layout.hosts} hosts; the emulated network has {network.hosts}")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.device = device
         # Where the workers' payloads travel (gradps-worker --transport).
@@ -89,7 +98,8 @@ class LocalCluster:
         if tls_certs:
             self.tls_dir = Path(self._tmp.name) / "tls" if tls_certs is True else Path(tls_certs)
             if tls_certs is True:
-                make_certs(self.tls_dir, ["127.0.0.1", "localhost"])
+                hosts = [network.address(k) for k in range(network.hosts)] if network else []
+                make_certs(self.tls_dir, ["127.0.0.1", "localhost", *hosts])
             self.client_tls = tls.TlsFiles(
                 self.tls_dir / "client.pem", self.tls_dir / "client-key.pem", self.tls_dir / "ca.pem"
             )
@@ -102,7 +112,11 @@ class LocalCluster:
         self.workers: list[subprocess.Popen] = []
         self.address = ""
 
-    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
+    def host_address(self, host: int) -> str:
+        """Where the processes of `host` listen: its address on the emulated network, or loopback."""
+        return self.network.address(host) if self.network else "127.0.0.1"
+
+    def _spawn(self, name: str, module: str, *args: str, host: int = 0) -> subprocess.Popen:
         env = dict(os.environ)
         # One compute thread per process: a small cluster shares few cores.
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -132,9 +146,10 @@ class LocalCluster:
         if self.metrics:
             args = (*args, "--metrics-port=0", "--metrics-host=127.0.0.1", f"--metrics-port-file={port_file}")
         log = open(self.log_dir / f"{name}.log", "ab")
-        process = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        argv = [sys.executable, "-m", module, *args]
+        if self.network:
+            argv = self.network.command(host, argv)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if self.metrics:
             self._metrics_ports[name] = (port_file, process)
         return process
@@ -165,6 +180,8 @@ class LocalCluster:
         """Start every process and wait until all shards and workers joined."""
         port_file = Path(self._tmp.name) / "coordinator.port"
         state = [f"--state-dir={self.state_dir}"] if self.state_dir else []
+        host = self.layout.coordinator
+        bind = [f"--bind={self.host_address(host)}"] if self.network else []
         self.coordinator = self._spawn(
             "coordinator",
             "ps_server.coordinator",
@@ -175,8 +192,10 @@ class LocalCluster:
             *self._secret_args(),
             *self._tls_args(),
             *(f"--allow-import={prefix}" for prefix in self.allow_import),
+            *bind,
+            host=host,
         )
-        self.address = f"127.0.0.1:{self._port(port_file, self.coordinator)}"
+        self.address = f"{self.host_address(host)}:{self._port(port_file, self.coordinator)}"
         self._remember(self.address)
         for i in range(self.n_shards):
             self.add_shard(i)
@@ -188,6 +207,8 @@ class LocalCluster:
 
     def add_shard(self, i: int) -> subprocess.Popen:
         port_file = Path(self._tmp.name) / f"shard-{i}.port"
+        host = self.layout.shards[i % len(self.layout.shards)]
+        address = self.host_address(host)
         p = self._spawn(
             f"shard-{i}",
             "ps_server.shard",
@@ -195,16 +216,18 @@ class LocalCluster:
             "--data-port=0",
             f"--port-file={port_file}",
             f"--coordinator={self.address}",
-            "--advertise-host=127.0.0.1",
+            f"--advertise-host={address}",
             f"--device={self.device}",
             # The shards' checkpoints go in the state dir too, each under its index.
             *([f"--state-dir={self.state_dir}", f"--shard-id=local-{i}"] if self.state_dir else []),
             *self._secret_args(),
             *self._tls_args(),
+            *([f"--bind={address}"] if self.network else []),
+            host=host,
         )
         self.shards.append(p)
         port = self._port(port_file, p)  # registered once the port file exists
-        self._remember(f"127.0.0.1:{port}")
+        self._remember(f"{address}:{port}")
         return p
 
     def role_token(self, role: str) -> str | None:
@@ -249,6 +272,7 @@ class LocalCluster:
             *([f"--token-file={self._auth_files[WORKER]}"] if self._auth_files else []),
             *self._tls_args(service=False),
             *(f"--allow-import={prefix}" for prefix in self.allow_import),
+            host=self.layout.workers[i % len(self.layout.workers)],
         )
         self.workers.append(p)
         return p

@@ -52,6 +52,14 @@ def pid_namespace() -> int:
         return 0
 
 
+def _same_network(pid: int) -> bool:
+    """Whether process `pid` shares this process's network namespace (True where /proc does not say)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return True
+
+
 def check_name(name: str) -> None:
     """SegmentError unless `name` is a segment's name."""
     if not NAME.fullmatch(name):
@@ -154,6 +162,10 @@ class Segment:
         check_name(name)
         if namespace != pid_namespace():
             raise SegmentError(f"cannot open segment {name}: its creator runs in another PID namespace")
+        if not _same_network(pid):
+            # Another network namespace is another host (a container, an emulated host): its
+            # payloads take the network, as they would between machines.
+            raise SegmentError(f"cannot open segment {name}: its creator is on another host (network namespace)")
         file = _open_sealed(name, pid, fd)
         try:
             # Read after the seals were checked: from then on the file can only stay this long.

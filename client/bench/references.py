@@ -1,6 +1,7 @@
 """The yardsticks a transport is measured against, in the same run: raw loopback TCP between two
 processes (with the socket settings of gradps' data streams), and torch.distributed's gloo
-all_reduce between the same number of processes.
+all_reduce between the same number of processes. On an emulated network each end is a host of its
+own (`Host`): the far end of the TCP reference on host 1, gloo's rank r on host r.
 
 Both stay up as idle processes for the whole bench and run one round when asked, so that the
 bench can interleave their rounds with the gRPC rounds: on a shared machine the load changes
@@ -15,6 +16,7 @@ import queue
 import socket
 import struct
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from gradps.data_stream import StreamError, recv_exact, tune_socket
@@ -24,10 +26,29 @@ MiB = 1 << 20
 _COMMAND = struct.Struct("<QI")
 
 
-def _tcp_echo(port_queue: mp.Queue) -> None:
+@dataclass(frozen=True)
+class Host:
+    """An emulated host a reference process runs on: its network namespace and address."""
+
+    namespace: str
+    address: str
+
+    def enter(self) -> None:
+        """Move this (new, still single-threaded) process onto the host."""
+        from gradps.netem import enter
+
+        enter(self.namespace)
+
+
+_LOOPBACK = "127.0.0.1"
+
+
+def _tcp_echo(port_queue: mp.Queue, host: Host | None) -> None:
     """The far end: for each command, receive `size` bytes and send them back, `n` times."""
+    if host:
+        host.enter()
     listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener.bind((host.address if host else _LOOPBACK, 0))
     listener.listen(1)
     port_queue.put(listener.getsockname()[1])
     conn, _ = listener.accept()
@@ -49,14 +70,14 @@ def _tcp_echo(port_queue: mp.Queue) -> None:
 
 
 class TcpReference:
-    """Raw loopback TCP between this process and an echo process."""
+    """Raw TCP between this process and an echo process: on loopback, or on `far` (another host)."""
 
-    def __init__(self) -> None:
+    def __init__(self, far: Host | None = None) -> None:
         ctx = mp.get_context("spawn")
         ports = ctx.Queue()
-        self._echo = ctx.Process(target=_tcp_echo, args=(ports,), daemon=True)
+        self._echo = ctx.Process(target=_tcp_echo, args=(ports, far), daemon=True)
         self._echo.start()
-        self._sock = socket.create_connection(("127.0.0.1", ports.get(timeout=120)))
+        self._sock = socket.create_connection((far.address if far else _LOOPBACK, ports.get(timeout=120)))
         tune_socket(self._sock)
         self._send = bytearray()
         self._back = bytearray()
@@ -84,13 +105,18 @@ class TcpReference:
             self._echo.kill()
 
 
-def _gloo_rank(rank: int, world: int, port: int, commands: mp.Queue, results: mp.Queue) -> None:
+def _gloo_rank(
+    rank: int, world: int, master: str, port: int, commands: mp.Queue, results: mp.Queue, host: Host | None
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if host:
+        host.enter()
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # the host's link, not an address of the machine's name
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
     results.put(("ready", rank, None))
     tensors: dict[int, torch.Tensor] = {}
     try:
@@ -110,24 +136,30 @@ def _gloo_rank(rank: int, world: int, port: int, commands: mp.Queue, results: mp
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def _free_port(address: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 
 class GlooReference:
-    """`world` processes in a gloo process group, idle between rounds."""
+    """`world` processes in a gloo process group, idle between rounds; rank r on `hosts[r]` where
+    given (rank 0's host is this process's, which chooses the rendezvous port)."""
 
-    def __init__(self, world: int, timeout_s: float = 300.0) -> None:
+    def __init__(self, world: int, timeout_s: float = 300.0, hosts: list[Host] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.world = world
         self.timeout_s = timeout_s
         self._results = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(world)]
-        port = _free_port()
+        master = hosts[0].address if hosts else _LOOPBACK
+        port = _free_port(master)
         self._ranks = [
-            ctx.Process(target=_gloo_rank, args=(r, world, port, self._commands[r], self._results), daemon=True)
+            ctx.Process(
+                target=_gloo_rank,
+                args=(r, world, master, port, self._commands[r], self._results, hosts[r] if hosts else None),
+                daemon=True,
+            )
             for r in range(world)
         ]
         for p in self._ranks:

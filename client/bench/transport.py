@@ -17,9 +17,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from client.bench.links import BenchNetwork
 from client.bench.options import (
     COLOCATED,
     json_option,
+    parse_choices,
     parse_codecs,
     parse_counts,
     parse_list,
@@ -32,6 +34,7 @@ from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
 from client.usage import one_line_errors, output_file
 from gradps.device import device_option
+from gradps.netem import LAYOUTS, Layout, parse_links
 from gradps.parameter_client import TRANSPORTS
 from gradps.placement import DEFAULT_PART_SIZE
 
@@ -80,6 +83,10 @@ class Row:
     # Per worker and iteration, summed over shard threads: client-side encode/decode seconds.
     encode_s: float
     decode_s: float
+    # On an emulated network (`--link`): its setting, e.g. "10gbit"; `transport` is then the
+    # layout, "colocated" or "separate" (shared memory within a host, data streams between
+    # hosts), and the references run between hosts too. None: loopback.
+    link: str | None = None
 
 
 def _iters(size: int, round_bytes: float) -> int:
@@ -100,16 +107,29 @@ def measure_transport(
     console: Console | None = None,
     tls_modes: Sequence[bool] = (False,),
     metrics_modes: Sequence[bool] = (False,),
+    links: Sequence[str] = (),
+    layouts: Sequence[str] = ("colocated",),
 ) -> list[Row]:
     """Every (op, size, shards, workers, codec) combination, on a plaintext cluster and/or one in
     TLS (`tls_modes`), serving no metrics and/or counting every call for Prometheus
     (`metrics_modes`). Each gRPC round runs right after a TCP round and (for two or more workers)
     a gloo round of the same size, so that the ratios compare measurements taken under the same
-    load."""
+    load.
+
+    `links`: on an emulated network instead of loopback, measured at each of these link settings
+    (e.g. "10gbit", "10gbit,host1=1gbit"), the processes placed on hosts as each of `layouts`
+    says; payloads then take shared memory within a host and data streams between hosts, whatever
+    `transports` says. This process moves onto host 0 for good."""
     ops = [("push_pull", w) for w in workers_list] + [("sync_step", w) for w in workers_list if w > 1]
+    if links:
+        transports, hosts = ["shm"], _hosts_needed(max(shards_list), max(workers_list), layouts)
+        network: BenchNetwork | None = BenchNetwork(links, hosts)
+    else:
+        network, layouts = None, [""]
     rows: list[Row] = []
     # One line that shows what is measured and how far along, rather than a line per configuration.
     configurations = len(shards_list) * len(ops) * len(codecs) * len(transports) * len(sizes_mib)
+    configurations *= len(tls_modes) * len(metrics_modes) * len(layouts) * max(1, len(links))
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(bar_width=20),
@@ -119,61 +139,96 @@ def measure_transport(
         transient=True,
         disable=console is None,
     )
-    task = progress.add_task(
-        "starting the references (TCP echo, gloo)", total=configurations * len(tls_modes) * len(metrics_modes)
-    )
-    progress.start()
-    tcp = TcpReference()
-    glooes = {w: GlooReference(w) for w in sorted({w for w in workers_list if w > 1})}
-    try:
+    task = progress.add_task("starting the references (TCP echo, gloo)", total=configurations)
+    with ExitStack() as outer:
+        if network:
+            outer.enter_context(network)
+        outer.enter_context(progress)
+        tcp = TcpReference(network.host(1) if network else None)
+        outer.callback(tcp.close)
+        glooes = {}
+        for w in sorted({w for w in workers_list if w > 1}):
+            glooes[w] = GlooReference(w, hosts=[network.host(r) for r in range(w)] if network else None)
+            outer.callback(glooes[w].close)
+        settings = range(len(links)) if network else [None]
         for n_shards in shards_list:
             with ExitStack() as stack:
                 # One cluster per mode, side by side: each configuration is measured on each at once.
-                modes = itertools.product(tls_modes, metrics_modes)
-                clusters = [_cluster(stack, n_shards, max(workers_list), device, *mode) for mode in modes]
+                modes = itertools.product(tls_modes, metrics_modes, layouts)
+                clusters = [
+                    _cluster(stack, n_shards, max(workers_list), device, *mode, network=network) for mode in modes
+                ]
                 for (op, w), codec, transport, size_mib in itertools.product(ops, codecs, transports, sizes_mib):
-                    for (tls, counted), cluster, bench_workers in clusters:
-                        via = f"{transport}{' in TLS' if tls else ''}{' counted' if counted else ''}"
+                    for setting, ((tls, counted, layout), cluster, bench_workers) in itertools.product(
+                        settings, clusters
+                    ):
+                        link = network.use(setting) if network and setting is not None else None
                         shape = f"{n_shards} shard{'s' * (n_shards > 1)}, {w} worker{'s' * (w > 1)}"
+                        via = _via(layout or transport, tls, counted, link)
                         progress.update(task, description=f"{op} {size_mib:g} MiB, {shape}, {codec}, {via}")
-                        rows.append(
-                            _measure_one(
-                                bench_workers,
-                                cluster.address,
-                                tcp,
-                                glooes.get(w),
-                                op,
-                                size_mib,
-                                n_shards,
-                                w,
-                                codec,
-                                transport,
-                                tls,
-                                counted,
-                                rounds,
-                                warmup,
-                                part_size,
-                                round_mib,
-                                device,
-                            )  # fmt: skip
-                        )
+                        row = _measure_one(
+                            bench_workers,
+                            cluster.address,
+                            tcp,
+                            glooes.get(w),
+                            op,
+                            size_mib,
+                            n_shards,
+                            w,
+                            codec,
+                            transport,
+                            tls,
+                            counted,
+                            rounds,
+                            warmup,
+                            part_size,
+                            round_mib,
+                            device,
+                        )  # fmt: skip
+                        if link:
+                            row.transport, row.link = layout, link
+                        rows.append(row)
                         progress.advance(task)
-    finally:
-        progress.stop()
-        tcp.close()
-        for gloo in glooes.values():
-            gloo.close()
     return rows
 
 
+def _via(transport: str, tls: bool, counted: bool, link: str | None) -> str:
+    """How a configuration's payloads travel, for the progress line."""
+    return f"{transport}{' in TLS' if tls else ''}{' counted' if counted else ''}{f' at {link}' if link else ''}"
+
+
+def _hosts_needed(shards: int, workers: int, layouts: Sequence[str]) -> int:
+    """Hosts for the largest cluster of every layout, and the references (gloo: a host per rank;
+    TCP: two)."""
+    return max(2, workers, *(Layout.named(name, shards, workers).hosts for name in layouts))
+
+
 def _cluster(
-    stack: ExitStack, shards: int, workers: int, device: str, tls: bool, counted: bool
-) -> tuple[tuple[bool, bool], LocalCluster, BenchWorkers]:
-    """A local cluster (in TLS, with a CA of its own: `tls`; serving Prometheus metrics: `counted`)
-    and its bench workers, closed with `stack`."""
-    cluster = stack.enter_context(LocalCluster(shards=shards, workers=0, device=device, tls_certs=tls, metrics=counted))
-    workers_ = BenchWorkers(cluster.address, workers, tls=cluster.client_tls, metrics=counted)
-    return (tls, counted), cluster, stack.enter_context(workers_)
+    stack: ExitStack,
+    shards: int,
+    workers: int,
+    device: str,
+    tls: bool,
+    counted: bool,
+    layout: str,
+    network: BenchNetwork | None = None,
+) -> tuple[tuple[bool, bool, str], LocalCluster, BenchWorkers]:
+    """A local cluster (in TLS, with a CA of its own: `tls`; serving Prometheus metrics: `counted`;
+    on `network`'s hosts as `layout` places them) and its bench workers, closed with `stack`."""
+    placed = Layout.named(layout, shards, workers) if network else None
+    cluster = LocalCluster(
+        shards=shards,
+        workers=0,
+        device=device,
+        tls_certs=tls,
+        metrics=counted,
+        network=network.network if network else None,
+        layout=placed,
+    )
+    stack.enter_context(cluster)
+    hosts = [network.host(k) for k in placed.workers] if network and placed else None
+    workers_ = BenchWorkers(cluster.address, workers, tls=cluster.client_tls, metrics=counted, hosts=hosts)
+    return (tls, counted, layout), cluster, stack.enter_context(workers_)
 
 
 def _measure_one(
@@ -257,7 +312,8 @@ def print_rows(rows: list[Row], console: Console) -> None:
             r.transport
             + (" tls" if r.tls else "")
             + (" counted" if r.metrics else "")
-            + ("" if r.device == "cpu" else f" {r.device}"),
+            + ("" if r.device == "cpu" else f" {r.device}")
+            + (f" {r.link}" if r.link else ""),
             f"{r.seconds * 1e3:.1f}",
             f"{r.gbps:.2f}",
             f"{r.tcp_gbps:.2f}",
@@ -281,6 +337,23 @@ def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) ->
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
     return output_file(ctx, param, path)
+
+
+def _check_links(
+    links: Sequence[str], transports: Sequence[str], shards: int, workers: int, layouts: Sequence[str]
+) -> None:
+    """--link's usage errors, before anything starts."""
+    if click.get_current_context().get_parameter_source("transports") != click.core.ParameterSource.DEFAULT:
+        raise click.UsageError(
+            "--transport does not apply with --link: payloads take shared memory within a host and data "
+            "streams between hosts; --hosts chooses where the shards are"
+        )
+    hosts = _hosts_needed(shards, workers, layouts)
+    for text in links:
+        try:
+            parse_links(text, hosts)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--link") from None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -311,6 +384,24 @@ def _plot_path(ctx: click.Context, param: click.Parameter, path: Path | None) ->
     help="Every process serving Prometheus metrics and counting each call: off, on, or both (a "
     "cluster of each, measured side by side: the cost of metrics).",
 )
+@click.option(
+    "--link",
+    "links",
+    multiple=True,
+    metavar="RATE[,hostK=RATE]",
+    help="Measure on an emulated network instead of loopback: every process (the TCP and gloo "
+    "references too) on a host of its own, each host's link capped at RATE both ways, e.g. 10gbit, or "
+    "10gbit,host1=1gbit for an uneven cluster. Repeat for several rates. Needs root; without it, one "
+    "line says so and the bench runs on loopback.",
+)
+@click.option(
+    "--hosts",
+    "layouts",
+    default="colocated",
+    callback=parse_choices(LAYOUTS),
+    help="With --link: where the shards are. colocated: shard k on worker k's host (shared memory "
+    "with it); separate: each shard on a host of its own. Both: colocated,separate.",
+)
 @json_option()
 @click.option(
     "--plot",
@@ -332,6 +423,8 @@ def transport(
     device: str,
     tls: str,
     metrics: str,
+    links: tuple[str, ...],
+    layouts: list[str],
     json_path: Path | None,
     plot_path: Path | None,
 ) -> None:
@@ -339,6 +432,10 @@ def transport(
     if any(s <= 0 for s in sizes):
         raise click.BadParameter("sizes must be positive", param_hint="--sizes")
     console = Console(stderr=True)
+    if links:
+        _check_links(links, transports, max(shards_list), max(workers_list), layouts)
+        if not BenchNetwork.available(console):
+            links = ()
     rows = measure_transport(
         sizes,
         shards_list,
@@ -352,6 +449,8 @@ def transport(
         console=console,
         tls_modes=_MODES[tls],
         metrics_modes=_MODES[metrics],
+        links=links,
+        layouts=layouts,
     )
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from client.bench.references import Host
     from gradps.auth.tls import TlsFiles
     from gradps.worker_session import WorkerSession
 
@@ -45,8 +46,11 @@ class Job:
     device: str = "cpu"
 
 
-def _run_job(index: int, session: WorkerSession, job: Job, commands: mp.Queue, results: mp.Queue) -> None:
-    """Join the job's run, time its rounds, report, and leave the run."""
+def _run_job(
+    index: int, session: WorkerSession, job: Job, commands: mp.Queue, results: mp.Queue, host: Host | None
+) -> None:
+    """Join the job's run, time its rounds, report, and leave the run. On an emulated `host`,
+    "shm" takes shared memory with the shards of its host only, data streams to the others."""
     import torch
 
     from client.bench.options import COLOCATED
@@ -66,12 +70,7 @@ def _run_job(index: int, session: WorkerSession, job: Job, commands: mp.Queue, r
     placement = session.placement(job.run_id, tensor_specs(params), total)
     none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
     owners = sorted({p.shard for p in placement.parts})
-    if job.transport == COLOCATED:
-        local = [assignment.rank % len(placement.shards)]
-        wanted = {"shm": [s for s in owners if s in local], "stream": [s for s in owners if s not in local]}
-    else:
-        local = None
-        wanted = {job.transport: owners}
+    local, wanted = _expected_routes(job, assignment.rank, list(placement.shards), owners, host)
     client = ParameterClient(
         placement,
         job.run_id,
@@ -115,6 +114,23 @@ def _run_job(index: int, session: WorkerSession, job: Job, commands: mp.Queue, r
         session.report(job.run_id, cpb.Metrics(step=step, test_accuracy=-1.0, **ended))
 
 
+def _expected_routes(
+    job: Job, rank: int, shards: list[str], owners: list[int], host: Host | None
+) -> tuple[list[int] | None, dict[str, list[int]]]:
+    """The shards a worker may share memory with (None: any that maps its segment), and the shards
+    each route must reach ("shm", "stream", "grpc"), which the bench checks."""
+    from client.bench.options import COLOCATED
+
+    if job.transport == COLOCATED:
+        local = [rank % len(shards)]
+        return local, {"shm": [s for s in owners if s in local], "stream": [s for s in owners if s not in local]}
+    if host and job.transport == "shm":
+        # Each shard maps a segment only for a process of its own host.
+        here = [s for s in owners if shards[s].rsplit(":", 1)[0] == host.address]
+        return None, {"shm": here, "stream": [s for s in owners if s not in here]}
+    return None, {job.transport: owners}
+
+
 def _worker_main(
     index: int,
     coordinator: str,
@@ -122,10 +138,14 @@ def _worker_main(
     results: mp.Queue,
     tls: TlsFiles | None = None,
     metrics: bool = False,
+    host: Host | None = None,
 ) -> None:
     """One bench worker: join, then serve jobs until told to stop (None); with `tls`, every
     connection (to the coordinator, to the shards, data streams) in TLS; with `metrics`, serving
-    Prometheus metrics on a free loopback port, as a worker service does."""
+    Prometheus metrics on a free loopback port, as a worker service does; on `host` of an
+    emulated network."""
+    if host:
+        host.enter()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -143,7 +163,7 @@ def _worker_main(
     results.put(("joined", index, session.worker_id))
     try:
         while (job := commands.get()) is not None:
-            _run_job(index, session, job, commands, results)
+            _run_job(index, session, job, commands, results, host)
     except Exception as e:  # reported to the parent, which fails the bench with it
         results.put(("error", index, f"{type(e).__name__}: {e}"))
     finally:
@@ -180,7 +200,8 @@ def submit_run(
 
 
 class BenchWorkers:
-    """`count` bench worker processes joined to the coordinator at `address` (in TLS with `tls`)."""
+    """`count` bench worker processes joined to the coordinator at `address` (in TLS with `tls`),
+    worker i on `hosts[i]` where given."""
 
     def __init__(
         self,
@@ -189,6 +210,7 @@ class BenchWorkers:
         timeout_s: float = 300.0,
         tls: TlsFiles | None = None,
         metrics: bool = False,
+        hosts: list[Host] | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.timeout_s = timeout_s
@@ -196,7 +218,9 @@ class BenchWorkers:
         self._commands = [ctx.Queue() for _ in range(count)]
         self._processes = [
             ctx.Process(
-                target=_worker_main, args=(i, address, self._commands[i], self._results, tls, metrics), daemon=True
+                target=_worker_main,
+                args=(i, address, self._commands[i], self._results, tls, metrics, hosts[i] if hosts else None),
+                daemon=True,
             )
             for i in range(count)
         ]
