@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -19,6 +20,7 @@ from rich.text import Text
 
 from client.ddp_baseline import BASELINES
 from client.help_sections import SectionedCommand
+from client.links import Links
 from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
 from client.sdk import Client, run_spec
@@ -29,6 +31,7 @@ from gradps.auth.options import client_tls_options, use_client_tls
 from gradps.auth.tokens import ROLES, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
 from gradps.codecs import codec_syntax, parse_codec
 from gradps.device import device_option, resolve_option
+from gradps.netem import LAYOUTS, Layout
 from gradps.parameter_client import TRANSPORTS
 from gradps.run_spec import default_spec
 from gradps.schemes import PARAMS, SCHEMES, Param, schemes_of
@@ -550,6 +553,21 @@ def export(run_id: str, out: Path, coordinator: str) -> None:
     help="Also write TensorBoard event files here (`tensorboard --logdir DIR`): loss, test accuracy, "
     "samples/s, staleness, wait fraction; one TensorBoard run per scheme, DIR/<scheme>.",
 )
+@click.option(
+    "--link",
+    default=None,
+    metavar="RATE[,hostK=RATE]",
+    help="Run the embedded cluster and the DDP baseline on an emulated network: each worker (and DDP "
+    "rank) on a host of its own, each host's link capped at RATE both ways, e.g. 1gbit, or "
+    "10gbit,host3=1gbit. Needs root; without it, one line says so and the runs go on loopback.",
+)
+@click.option(
+    "--hosts",
+    "layout",
+    default="colocated",
+    type=click.Choice(LAYOUTS),
+    help="With --link: colocated, shard k on worker k's host; separate, each shard on a host of its own.",
+)
 @click.option("--no-progress", is_flag=True, help="No live progress bars.")
 @one_line_errors
 def compare(
@@ -566,6 +584,8 @@ def compare(
     out: Path,
     baseline: str,
     tensorboard: Path | None,
+    link: str | None,
+    layout: str,
     no_progress: bool,
     **o: Any,
 ) -> None:
@@ -577,7 +597,6 @@ def compare(
         add_baseline_ratios,
         print_table,
         run_baseline,
-        run_comparison,
         with_backup_row,
         write_outputs,
     )
@@ -591,13 +610,55 @@ def compare(
     if len(set(names)) < len(names):
         raise click.BadParameter(f"a scheme is named twice in {schemes!r}: each writes {out}/<scheme>", param_hint=hint)
     coordinator = _chosen_coordinator(local, coordinator)
+    if link and coordinator:
+        raise click.UsageError("--link emulates the embedded cluster's hosts: it does not apply with --coordinator")
+    hosts = Layout.named(layout, shards, workers)
+    try:  # a bad --link: a usage error, before any run
+        links = Links([link], hosts.hosts) if link else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--link'") from None
     entries = with_backup_row([(name, build_spec(name, workers, **o)) for name in names], bool(o.get("straggler")))
     # --device is the embedded cluster's, and the baseline's: both run on this machine.
     device = device if coordinator and baseline == "none" else resolve_option(device)
     make_dir(out)
-    # The baseline first: it is short, and a failure shows before the schemes' long runs.
-    first = entries[0][1]
-    reference = run_baseline(first, device, target_accuracy, out, not no_progress) if baseline != "none" else None
+    with links if links and Links.available(Console(stderr=True)) else contextlib.nullcontext() as on:
+        network = on.network if on else None
+        # The baseline first: it is short, and a failure shows before the schemes' long runs.
+        first = entries[0][1]
+        reference = (
+            run_baseline(first, device, target_accuracy, out, not no_progress, network) if baseline != "none" else None
+        )
+        rows, title = _compare_runs(
+            coordinator, entries, target_accuracy, out, not no_progress, tensorboard, workers, shards, o,
+            lambda: LocalCluster(shards, workers, heartbeat_timeout, out / "logs", device, transport,
+                                 allow_import=allow_import, network=network, layout=hosts),
+        )  # fmt: skip
+        if network:
+            title += f", {link} links ({layout})"
+    if reference is not None:
+        rows.append(reference)
+        add_baseline_ratios(rows, reference)
+    write_outputs(rows, target_accuracy, out, title)
+    print_table(rows, target_accuracy)
+    click.echo(f"wrote {out / 'compare.json'}, {out / 'compare.csv'} and {out / 'compare.png'}", err=True)
+
+
+def _compare_runs(
+    coordinator: str | None,
+    entries: list[tuple[str, run_pb2.RunSpec]],
+    target_accuracy: float,
+    out: Path,
+    progress: bool,
+    tensorboard: Path | None,
+    workers: int,
+    shards: int,
+    o: dict[str, Any],
+    embedded: Callable[[], LocalCluster],
+) -> tuple[list[dict[str, Any]], str]:
+    """compare's rows and title: each entry on the cluster at `coordinator`, or on an `embedded` one
+    (started here, the same one for every scheme)."""
+    from client.compare import run_comparison
+
     if coordinator:
         with Client(coordinator) as client:
             shards = len(client.cluster().shards)
@@ -606,18 +667,9 @@ def compare(
         f", rank {straggler[0]} {straggler[1]:g}x slower" if straggler else ""
     )
     if coordinator:
-        rows = run_comparison(coordinator, entries, target_accuracy, out, not no_progress, tensorboard)
-    else:  # the default: an embedded cluster, the same one for every scheme
-        with LocalCluster(
-            shards, workers, heartbeat_timeout, out / "logs", device, transport, allow_import=allow_import
-        ) as cluster:
-            rows = run_comparison(cluster.address, entries, target_accuracy, out, not no_progress, tensorboard)
-    if reference is not None:
-        rows.append(reference)
-        add_baseline_ratios(rows, reference)
-    write_outputs(rows, target_accuracy, out, title)
-    print_table(rows, target_accuracy)
-    click.echo(f"wrote {out / 'compare.json'}, {out / 'compare.csv'} and {out / 'compare.png'}", err=True)
+        return run_comparison(coordinator, entries, target_accuracy, out, progress, tensorboard), title
+    with embedded() as cluster:
+        return run_comparison(cluster.address, entries, target_accuracy, out, progress, tensorboard), title
 
 
 def _count(n: int, noun: str) -> str:

@@ -14,6 +14,7 @@ from client.ddp_baseline import SCHEME as BASELINE
 from client.ddp_baseline import run_ddp
 from client.report import follow
 from client.sdk import Client
+from gradps.netem import EmulatedNetwork
 from gradps.v1 import run_pb2
 
 COLUMNS = (
@@ -98,10 +99,16 @@ def run_comparison(
 
 
 def run_baseline(
-    spec: run_pb2.RunSpec, device: str, target: float, out_dir: Path, show_progress: bool = True
+    spec: run_pb2.RunSpec,
+    device: str,
+    target: float,
+    out_dir: Path,
+    show_progress: bool = True,
+    network: EmulatedNetwork | None = None,
 ) -> dict[str, Any]:
-    """The torch DDP baseline of `spec` on this machine (client.ddp_baseline); its row."""
-    summary = run_ddp(spec, device, out_dir / BASELINE, out_dir / "logs", show_progress=show_progress)
+    """The torch DDP baseline of `spec` on this machine (client.ddp_baseline), each rank on a host
+    of `network` where given; its row."""
+    summary = run_ddp(spec, device, out_dir / BASELINE, out_dir / "logs", show_progress, network)
     return row_of(summary, target)
 
 

@@ -8,7 +8,8 @@ the data and building the model excluded). The result is a summary in the shape 
 for a gradps run, so it becomes one more row of the comparison.
 
 The parent (`run_ddp`) hosts the rendezvous store on a free port and starts each rank as a
-process (`python -m client.ddp_baseline`), as the local cluster starts every service.
+process (`python -m client.ddp_baseline`), as the local cluster starts every service; on an
+emulated network (`gradps compare --link`), rank r on host r, where a colocated cluster has worker r.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from client.sdk import GradpsError
 from gradps.datasets import Dataset, ShardSampler, load_dataset
 from gradps.evaluation import compute_loss, evaluate
 from gradps.models import build_model
+from gradps.netem import EmulatedNetwork
 from gradps.optimizer import ScheduledOptimizer
 from gradps.run_spec import total_steps, with_defaults
 from gradps.slowdown import Slowdown
@@ -52,12 +54,18 @@ class BaselineFailed(GradpsError):
 
 
 def run_ddp(
-    spec: run_pb2.RunSpec, device: str, out_dir: Path, log_dir: Path, show_progress: bool = True
+    spec: run_pb2.RunSpec,
+    device: str,
+    out_dir: Path,
+    log_dir: Path,
+    show_progress: bool = True,
+    network: EmulatedNetwork | None = None,
 ) -> dict[str, Any]:
     """Train `spec` with torch DDP on `spec.workers` local processes; its summary (as `follow`'s).
 
     Writes spec.json, each rank's rank<R>.json and summary.json to `out_dir`, the ranks' logs to
-    `log_dir`. `device` is "cpu" or "cuda" (resolved).
+    `log_dir`. `device` is "cpu" or "cuda" (resolved). `network`: rank r on its host r (this
+    process must be on host 0, which holds the rendezvous store).
     """
     import torch.distributed as dist
 
@@ -69,10 +77,14 @@ def run_ddp(
     world = spec.workers
     # Port 0: the store takes a free port and the ranks are told which, so no port can be taken
     # between choosing and binding it.
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    host = network.address(0) if network else "127.0.0.1"
+    store = dist.TCPStore(host, 0, None, True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
     what = f"ddp: {world} ranks, {backend_for(device, world)} on {device}"
     with Console(stderr=True).status(what) if show_progress else contextlib.nullcontext():
-        procs = [_start_rank(rank, world, store.port, spec_path, device, out_dir, log_dir) for rank in range(world)]
+        procs = [
+            _start_rank(rank, world, f"{host}:{store.port}", spec_path, device, out_dir, log_dir, network)
+            for rank in range(world)
+        ]
         try:
             _wait(procs, log_dir)
         finally:
@@ -127,19 +139,33 @@ def summarize(spec: run_pb2.RunSpec, ranks: list[dict[str, Any]], backend: str, 
 
 
 def _start_rank(
-    rank: int, world: int, port: int, spec_path: Path, device: str, out_dir: Path, log_dir: Path
+    rank: int,
+    world: int,
+    store: str,
+    spec_path: Path,
+    device: str,
+    out_dir: Path,
+    log_dir: Path,
+    network: EmulatedNetwork | None,
 ) -> subprocess.Popen:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # as the local cluster's workers
-    loopback = _loopback_interface()
-    if loopback:  # gloo and nccl would otherwise pick the interface of the host name
-        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    args = [f"--rank={rank}", f"--world={world}", f"--port={port}", f"--spec={spec_path}", f"--device={device}"]
+    # gloo and nccl would otherwise pick the interface of the host name: on an emulated host, its
+    # link (whatever the user's environment says: no other interface exists there).
+    interface = "eth0" if network else _loopback_interface()
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if network:
+            env[key] = "eth0"
+        elif interface:
+            env.setdefault(key, interface)
+    args = [f"--rank={rank}", f"--world={world}", f"--store={store}", f"--spec={spec_path}", f"--device={device}"]
+    argv = [sys.executable, "-m", "client.ddp_baseline", *args, f"--out={out_dir}"]
+    if network:
+        argv = network.command(rank % network.hosts, argv)
     log = open(log_dir / f"ddp-rank{rank}.log", "w")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "client.ddp_baseline", *args, f"--out={out_dir}"],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -176,7 +202,7 @@ def rank_device(device: str, rank: int, backend: str) -> torch.device:
     return torch.device(device)
 
 
-def train_rank(spec: run_pb2.RunSpec, rank: int, world: int, port: int, device: str) -> dict[str, Any]:
+def train_rank(spec: run_pb2.RunSpec, rank: int, world: int, store_at: str, device: str) -> dict[str, Any]:
     """One rank's whole run: join the process group, train, leave; this rank's results."""
     import torch.distributed as dist
 
@@ -187,7 +213,8 @@ def train_rank(spec: run_pb2.RunSpec, rank: int, world: int, port: int, device: 
     where = rank_device(device, rank, backend)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=_COLLECTIVE_TIMEOUT)
+    host, port = store_at.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), None, False, timeout=_COLLECTIVE_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
     try:
         result = _train(spec, dataset, rank, world, where)
@@ -252,15 +279,15 @@ def _point(model: torch.nn.Module, dataset: Dataset, step: int, elapsed_s: float
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--rank", required=True, type=click.IntRange(min=0))
 @click.option("--world", required=True, type=click.IntRange(min=1))
-@click.option("--port", required=True, type=click.IntRange(1, 65535), help="The parent's rendezvous store.")
+@click.option("--store", "store_at", required=True, help="The parent's rendezvous store, HOST:PORT.")
 @click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path))
 @click.option("--device", required=True, help="cpu or cuda (resolved by the parent).")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
-def main(rank: int, world: int, port: int, spec_path: Path, device: str, out: Path) -> None:
+def main(rank: int, world: int, store_at: str, spec_path: Path, device: str, out: Path) -> None:
     """One rank of the DDP baseline (started by `run_ddp`): writes OUT/rank<RANK>.json."""
     torch.set_num_threads(1)  # as a gradps worker (gradps-worker --threads 1)
     spec = Parse(spec_path.read_text(), run_pb2.RunSpec())
-    result = train_rank(spec, rank, world, port, device)
+    result = train_rank(spec, rank, world, store_at, device)
     written = out / f"rank{rank}.json"
     temp = written.with_suffix(".tmp")
     temp.write_text(json.dumps(result) + "\n")

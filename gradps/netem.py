@@ -22,7 +22,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["EmulatedNetwork", "Layout", "NetemError", "enter", "format_rate", "parse_links", "unavailable"]
+__all__ = ["EmulatedNetwork", "Host", "Layout", "NetemError", "enter", "format_rate", "parse_links", "unavailable"]
 
 _PREFIX = "gradps-"
 _SUBNET = "10.213.0"
@@ -152,6 +152,18 @@ def enter(namespace: str) -> None:
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class Host:
+    """One emulated host, as a process that moves onto it needs it: its namespace and address."""
+
+    namespace: str
+    address: str
+
+    def enter(self) -> None:
+        """Move this process (new, still one thread) onto the host."""
+        enter(self.namespace)
+
+
 class EmulatedNetwork:
     """Hosts in network namespaces of their own, each link capped at its rate (bits per second)."""
 
@@ -174,6 +186,9 @@ class EmulatedNetwork:
     def address(self, host: int) -> str:
         """Host `host`'s address, on its interface `eth0`."""
         return f"{_SUBNET}.{host + 1}"
+
+    def host(self, host: int) -> Host:
+        return Host(self.namespace(host), self.address(host))
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """`argv` run on `host` (in its namespace; `ip netns exec` then execs it, so the pid is its)."""

@@ -6,11 +6,13 @@ that moves onto host 0 (`_drive`), as `gradps bench transport --link` does.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import re
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,13 +93,12 @@ def _drive(network: EmulatedNetwork, results: mp.Queue) -> None:
 
 def _observe(network: EmulatedNetwork) -> dict:
     """A cluster placed as LAYOUT, two bench workers, one timed push + pull round."""
-    from client.bench.references import Host
     from client.bench.workers import BenchWorkers, Job, submit_run
     from client.local_cluster import LocalCluster
     from gradps.netem import enter
 
     enter(network.namespace(0))
-    hosts = [Host(network.namespace(k), network.address(k)) for k in LAYOUT.workers]
+    hosts = [network.host(k) for k in LAYOUT.workers]
     with (
         LocalCluster(shards=2, workers=0, network=network, layout=LAYOUT) as cluster,
         BenchWorkers(cluster.address, 2, hosts=hosts) as workers,
@@ -160,3 +161,53 @@ def test_a_network_left_by_a_killed_process_is_swept_by_the_next():
 def test_an_emulated_network_is_refused_in_one_line_where_it_cannot_be_made():
     with pytest.raises(NetemError, match="1 to 200 hosts"):
         EmulatedNetwork([])
+
+
+def _gradps(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own: with --link it moves onto an emulated host for good."""
+    return subprocess.run(
+        [sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+@needs_netem
+def test_bench_transport_on_emulated_links_rows_plot_and_the_wire_floor(tmp_path):
+    out = tmp_path / "links.json"
+    done = _gradps(
+        "bench", "transport", "--sizes=1", "--shards=1", "--workers=2", "--rounds=1", "--round-mib=1",
+        "--link=1gbit", "--link=100mbit", "--hosts=colocated,separate", "--pull-codec=none,bf16",
+        f"--json={out}", f"--plot={tmp_path / 'links.png'}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    ops = {"push_pull", "sync_step"}
+    assert {(r["op"], r["transport"], r["link"], r["pull_codec"]) for r in rows} == {
+        (op, layout, link, pull)
+        for op in ops
+        for layout in ("colocated", "separate")
+        for link in ("1gbit", "100mbit")
+        for pull in ("none", "bf16")
+    }
+    assert all(r["gloo_seconds"] > 0 for r in rows if r["op"] == "sync_step")
+    # Separate: each worker pushes its 1 MiB to the shard's host, then pulls 1 MiB back (float32).
+    wire_s = 2 * MiB * 8 / 100e6
+    slow = [r for r in rows if r["link"] == "100mbit" and r["transport"] == "separate" and r["pull_codec"] == "none"]
+    assert slow and all(r["seconds"] >= wire_s for r in slow), slow
+    assert (tmp_path / "links.png").read_bytes().startswith(b"\x89PNG")
+    assert not [n for n in os.listdir("/run/netns") if n.startswith("gradps-")]
+
+
+@needs_netem
+def test_compare_on_emulated_links_places_the_cluster_and_the_ddp_ranks_on_hosts(tmp_path):
+    out = tmp_path / "cmp"
+    done = _gradps(
+        "compare", "--schemes=asgd", "--workers=2", "--shards=1", "--baseline=ddp", "--link=1gbit",
+        "--steps=40", "--eval-every=20", "--target-accuracy=0.5", "--no-progress", f"--out={out}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads((out / "compare.json").read_text())
+    assert {r["scheme"] for r in result["schemes"]} == {"asgd", "ddp"}
+    assert "1gbit links (colocated)" in result["title"]
+    # The ranks' rendezvous store listens on host 0's address, which only the emulated hosts reach.
+    assert all(r["state"] == "completed" for r in result["schemes"])
+    assert not [n for n in os.listdir("/run/netns") if n.startswith("gradps-")]

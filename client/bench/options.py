@@ -11,7 +11,8 @@ import click
 from rich.console import Console
 
 from client.usage import output_file
-from gradps.codecs import parse_codec
+from gradps.codecs import CodecError, parse_codec
+from gradps.codecs.registry import get_pull_codec
 from gradps.parameter_client import TRANSPORTS
 
 
@@ -39,12 +40,15 @@ def parse_counts(ctx: click.Context, param: click.Parameter, value: str) -> list
 
 
 def parse_codecs(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
-    """Codec strings, each one `gradps.codecs.parse_codec` accepts."""
+    """Codec strings, each one `gradps.codecs.parse_codec` accepts (and, for `--pull-codec`, one
+    that a pull may ask for)."""
     items = parse_list(str)(ctx, param, value)
     for codec in items:
         try:
-            parse_codec(codec)
-        except ValueError as e:
+            params = parse_codec(codec)
+            if param.name == "pull_codecs":
+                get_pull_codec(params)
+        except (ValueError, CodecError) as e:
             raise click.BadParameter(str(e)) from None
     return items
 

@@ -16,28 +16,14 @@ import queue
 import socket
 import struct
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from gradps.data_stream import StreamError, recv_exact, tune_socket
+from gradps.netem import Host
 
 MiB = 1 << 20
 # A round's command on the TCP connection: payload size and round trips.
 _COMMAND = struct.Struct("<QI")
-
-
-@dataclass(frozen=True)
-class Host:
-    """An emulated host a reference process runs on: its network namespace and address."""
-
-    namespace: str
-    address: str
-
-    def enter(self) -> None:
-        """Move this (new, still single-threaded) process onto the host."""
-        from gradps.netem import enter
-
-        enter(self.namespace)
 
 
 _LOOPBACK = "127.0.0.1"

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from client.bench.links import BenchNetwork
+from client.bench.link_plot import plot_links
 from client.bench.options import (
     COLOCATED,
     json_option,
@@ -31,6 +31,7 @@ from client.bench.options import (
 from client.bench.plot import check_path, plot_transport
 from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
+from client.links import Links
 from client.local_cluster import LocalCluster
 from client.usage import one_line_errors, output_file
 from gradps.device import device_option
@@ -87,6 +88,8 @@ class Row:
     # layout, "colocated" or "separate" (shared memory within a host, data streams between
     # hosts), and the references run between hosts too. None: loopback.
     link: str | None = None
+    # Pull codec: what the weights travel in ("none": float32).
+    pull_codec: str = "none"
 
 
 def _iters(size: int, round_bytes: float) -> int:
@@ -109,12 +112,13 @@ def measure_transport(
     metrics_modes: Sequence[bool] = (False,),
     links: Sequence[str] = (),
     layouts: Sequence[str] = ("colocated",),
+    pull_codecs: Sequence[str] = ("none",),
 ) -> list[Row]:
     """Every (op, size, shards, workers, codec) combination, on a plaintext cluster and/or one in
     TLS (`tls_modes`), serving no metrics and/or counting every call for Prometheus
     (`metrics_modes`). Each gRPC round runs right after a TCP round and (for two or more workers)
     a gloo round of the same size, so that the ratios compare measurements taken under the same
-    load.
+    load. `codecs` and `pull_codecs`: every pair of a push codec and a pull codec.
 
     `links`: on an emulated network instead of loopback, measured at each of these link settings
     (e.g. "10gbit", "10gbit,host1=1gbit"), the processes placed on hosts as each of `layouts`
@@ -123,11 +127,12 @@ def measure_transport(
     ops = [("push_pull", w) for w in workers_list] + [("sync_step", w) for w in workers_list if w > 1]
     if links:
         transports, hosts = ["shm"], _hosts_needed(max(shards_list), max(workers_list), layouts)
-        network: BenchNetwork | None = BenchNetwork(links, hosts)
+        network: Links | None = Links(links, hosts)
     else:
         network, layouts = None, [""]
     rows: list[Row] = []
     # One line that shows what is measured and how far along, rather than a line per configuration.
+    codecs = [f"{push}/{pull}" if pull != "none" else push for push in codecs for pull in pull_codecs]
     configurations = len(shards_list) * len(ops) * len(codecs) * len(transports) * len(sizes_mib)
     configurations *= len(tls_modes) * len(metrics_modes) * len(layouts) * max(1, len(links))
     progress = Progress(
@@ -211,7 +216,7 @@ def _cluster(
     tls: bool,
     counted: bool,
     layout: str,
-    network: BenchNetwork | None = None,
+    network: Links | None = None,
 ) -> tuple[tuple[bool, bool, str], LocalCluster, BenchWorkers]:
     """A local cluster (in TLS, with a CA of its own: `tls`; serving Prometheus metrics: `counted`;
     on `network`'s hosts as `layout` places them) and its bench workers, closed with `stack`."""
@@ -252,8 +257,11 @@ def _measure_one(
 ) -> Row:
     size = int(size_mib * MiB)
     n = _iters(size, round_mib * MiB)
+    codec, _, pull_codec = codec.partition("/")
+    pull_codec = pull_codec or "none"
     run_id = submit_run(address, op, workers, codec, part_size, warmup + rounds * n)
-    bench_workers.start(Job(run_id, op, size_mib, codec, warmup, rounds, n, transport, device), workers)
+    job = Job(run_id, op, size_mib, codec, warmup, rounds, n, transport, device, pull_codec)
+    bench_workers.start(job, workers)
     grpc_s, tcp_s, gloo_s = [], [], []
     for _ in range(rounds):
         tcp_s.append(tcp.round(size, n))
@@ -271,6 +279,7 @@ def _measure_one(
         shards=shards,
         workers=workers,
         codec=codec,
+        pull_codec=pull_codec,
         transport=transport,
         tls=tls,
         metrics=counted,
@@ -308,7 +317,7 @@ def print_rows(rows: list[Row], console: Console) -> None:
             f"{r.size_mib:g}",
             str(r.shards),
             str(r.workers),
-            r.codec,
+            r.codec + ("" if r.pull_codec == "none" else f"/{r.pull_codec}"),
             r.transport
             + (" tls" if r.tls else "")
             + (" counted" if r.metrics else "")
@@ -361,6 +370,13 @@ def _check_links(
 @click.option("--shards", "shards_list", default="1,2", callback=parse_counts, help="Shard counts.")
 @click.option("--workers", "workers_list", default="1,2", callback=parse_counts, help="Worker counts.")
 @click.option("--codec", "codecs", default="none", callback=parse_codecs, help="Push codecs, e.g. none,int8.")
+@click.option(
+    "--pull-codec",
+    "pull_codecs",
+    default="none",
+    callback=parse_codecs,
+    help="Pull codecs (the weights), e.g. none,bf16; each with every push codec (shown as int8/bf16).",
+)
 @transport_option((*TRANSPORTS, COLOCATED))
 @click.option("--rounds", default=5, type=click.IntRange(min=1), help="Timed rounds per configuration.")
 @click.option(
@@ -416,6 +432,7 @@ def transport(
     shards_list: list[int],
     workers_list: list[int],
     codecs: list[str],
+    pull_codecs: list[str],
     transports: list[str],
     rounds: int,
     part_size: float,
@@ -434,7 +451,7 @@ def transport(
     console = Console(stderr=True)
     if links:
         _check_links(links, transports, max(shards_list), max(workers_list), layouts)
-        if not BenchNetwork.available(console):
+        if not Links.available(console):
             links = ()
     rows = measure_transport(
         sizes,
@@ -451,10 +468,14 @@ def transport(
         metrics_modes=_MODES[metrics],
         links=links,
         layouts=layouts,
+        pull_codecs=pull_codecs,
     )
     print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
     if json_path:
         write_json(json_path, [asdict(r) for r in rows], console)
     if plot_path:
-        plot_transport([asdict(r) for r in rows], plot_path)
+        if links:
+            plot_links([asdict(r) for r in rows], plot_path)
+        else:
+            plot_transport([asdict(r) for r in rows], plot_path)
         console.log(f"wrote {plot_path}")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from client.bench.references import Host
     from gradps.auth.tls import TlsFiles
+    from gradps.netem import Host
     from gradps.worker_session import WorkerSession
 
 MiB = 1 << 20
@@ -32,7 +32,7 @@ class Job:
     # push_pull (asgd: push, then pull) or sync_step (sync: push step t, pull the weights of t + 1).
     op: str
     size_mib: float
-    # CLI codec string for the push (the pull is always `none`).
+    # CLI codec string for the push.
     codec: str
     warmup: int
     rounds: int
@@ -44,6 +44,8 @@ class Job:
     transport: str = "shm"
     # Where the worker's parameters and gradients live.
     device: str = "cpu"
+    # CLI codec string for the pull (the weights), e.g. "bf16".
+    pull_codec: str = "none"
 
 
 def _run_job(
@@ -57,7 +59,6 @@ def _run_job(
     from gradps.codecs import parse_codec
     from gradps.parameter_client import ParameterClient, tensor_specs
     from gradps.v1 import coordinator_pb2 as cpb
-    from gradps.v1 import tensor_pb2
 
     assignment = None
     while assignment is None or assignment.run_id != job.run_id:
@@ -68,7 +69,6 @@ def _run_job(
     grads = {"params": (torch.randn(n, generator=generator) * 1e-3).to(job.device)}
     total = job.warmup + job.rounds * job.iters  # the run's steps: done after the last one
     placement = session.placement(job.run_id, tensor_specs(params), total)
-    none = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_NONE)
     owners = sorted({p.shard for p in placement.parts})
     local, wanted = _expected_routes(job, assignment.rank, list(placement.shards), owners, host)
     client = ParameterClient(
@@ -76,7 +76,7 @@ def _run_job(
         job.run_id,
         session.worker_id,
         parse_codec(job.codec),
-        none,
+        parse_codec(job.pull_codec),
         transport="shm" if job.transport == COLOCATED else job.transport,
         local_shards=local,
     )
@@ -86,12 +86,10 @@ def _run_job(
     step = 0
 
     def once() -> None:
+        # As the schemes exchange: one PushPull call per shard, each shard's pull right after its
+        # push (sync: once the step is complete there).
         nonlocal step
-        client.push(grads, step)
-        if job.op == "sync_step":
-            client.pull(params, min_version=step + 1)
-        else:
-            client.pull(params)
+        client.push_pull(grads, step, params, min_version=step + 1 if job.op == "sync_step" else 0)
         step += 1
 
     try:

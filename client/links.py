@@ -1,10 +1,10 @@
-"""`--link RATE`: a bench on an emulated network (gradps.netem), every process on a host of its
-own, the references too, so that its ratios mean what they would between machines.
+"""`--link RATE`: a command's processes on an emulated network (gradps.netem), each on a host of
+its own, its references too (the benches' TCP and gloo, compare's DDP ranks), so that what it
+measures means what it would between machines.
 
-This process (the bench's driver, which submits the runs and is the near end of the TCP
-reference) goes onto host 0 for the rest of its life: gRPC's threads and the sockets they open
-must be on the network they reach. The hosts' rates change between measurements (`use`), with
-the clusters and their connections kept.
+This process (the driver, which submits the runs) goes onto host 0 for the rest of its life:
+gRPC's threads and the sockets they open must be on the network they reach. The hosts' rates can
+change between measurements (`use`), with the clusters and their connections kept.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from client.bench.references import Host
-from gradps.netem import EmulatedNetwork, NetemError, enter, parse_links, unavailable
+from gradps.netem import EmulatedNetwork, Host, NetemError, enter, parse_links, unavailable
 
 
-class BenchNetwork:
-    """One emulated network of `hosts` hosts for every `--link` setting of a bench."""
+class Links:
+    """One emulated network of `hosts` hosts for every `--link` setting of a command."""
 
     def __init__(self, links: Sequence[str], hosts: int) -> None:
         # Checked before anything starts: a bad --link is a usage error.
@@ -32,12 +31,12 @@ class BenchNetwork:
         on loopback, unshaped)."""
         reason = unavailable()
         if reason and console:
-            console.print(f"{reason}: measuring on loopback, unshaped")
+            console.print(f"{reason}: running on loopback, unshaped")
         return reason is None
 
     def host(self, k: int) -> Host:
         assert self.network is not None
-        return Host(self.network.namespace(k), self.network.address(k))
+        return self.network.host(k)
 
     def use(self, setting: int) -> str:
         """Cap the links as the `setting`-th --link says; its text."""
@@ -47,7 +46,7 @@ class BenchNetwork:
             self.network.set_rates(rates)
         return text
 
-    def __enter__(self) -> BenchNetwork:
+    def __enter__(self) -> Links:
         self.network = EmulatedNetwork(self.settings[0][1]).start()
         try:
             enter(self.network.namespace(0))
