@@ -163,11 +163,22 @@ def test_an_emulated_network_is_refused_in_one_line_where_it_cannot_be_made():
         EmulatedNetwork([])
 
 
-def _gradps(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    """The CLI in a process of its own: with --link it moves onto an emulated host for good."""
-    return subprocess.run(
-        [sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, timeout=timeout_s
-    )
+def _gradps(*args: str, logs: Path | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own: with --link it moves onto an emulated host for good. Past
+    `timeout_s`, it is stopped as a user would (SIGTERM: it stops its cluster and deletes its
+    network), and the test fails with the last lines of each log in `logs`."""
+    process = subprocess.Popen([sys.executable, "-m", "client.cli", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        stdout, stderr = process.communicate(timeout=60)
+        tails = [
+            f"{p.name}: {p.read_text(errors='replace')[-600:]}" for p in (sorted(logs.glob("*.log")) if logs else [])
+        ]
+        pytest.fail(f"gradps {args[0]} ran past {timeout_s:.0f}s; stderr {stderr[-2000:]!r}; logs: {tails}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @needs_netem
@@ -203,6 +214,7 @@ def test_compare_on_emulated_links_places_the_cluster_and_the_ddp_ranks_on_hosts
     done = _gradps(
         "compare", "--schemes=asgd", "--workers=2", "--shards=1", "--baseline=ddp", "--link=1gbit",
         "--steps=40", "--eval-every=20", "--target-accuracy=0.5", "--no-progress", f"--out={out}",
+        logs=out / "logs",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads((out / "compare.json").read_text())
