@@ -72,8 +72,8 @@ class LocalCluster:
         self.transport = transport
         self.state_dir = Path(state_dir) if state_dir else None
         self.metrics = metrics
-        # Each process's metrics port file, by process name.
-        self._metrics_ports: dict[str, tuple[Path, subprocess.Popen]] = {}
+        # Each process's metrics address and port file, by process name.
+        self._metrics_ports: dict[str, tuple[str, Path, subprocess.Popen]] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="gradps-")
         # Import paths runs may name (the coordinator's and the workers' --allow-import).
         self.allow_import = tuple(allow_import)
@@ -143,21 +143,23 @@ class LocalCluster:
         for key in ("GRADPS_METRICS_PORT", "GRADPS_METRICS_HOST", "GRADPS_METRICS_PORT_FILE"):
             env.pop(key, None)
         port_file = Path(self._tmp.name) / f"{name}.metrics-port"
+        address = self.host_address(host)  # an emulated host's loopback is its own
         if self.metrics:
-            args = (*args, "--metrics-port=0", "--metrics-host=127.0.0.1", f"--metrics-port-file={port_file}")
+            args = (*args, "--metrics-port=0", f"--metrics-host={address}", f"--metrics-port-file={port_file}")
         log = open(self.log_dir / f"{name}.log", "ab")
         argv = [sys.executable, "-m", module, *args]
         if self.network:
             argv = self.network.command(host, argv)
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if self.metrics:
-            self._metrics_ports[name] = (port_file, process)
+            self._metrics_ports[name] = (address, port_file, process)
         return process
 
     def metrics_targets(self) -> dict[str, str]:
-        """Every process's metrics endpoint ("127.0.0.1:PORT"), by name ("coordinator", "shard-0",
-        "worker-1"), once each has written its port; empty unless the cluster serves metrics."""
-        return {name: f"127.0.0.1:{self._port(path, process)}" for name, (path, process) in self._metrics_ports.items()}
+        """Every process's metrics endpoint ("127.0.0.1:PORT", or its emulated host's address), by
+        name ("coordinator", "shard-0", "worker-1"), once each has written its port; empty unless
+        the cluster serves metrics."""
+        return {name: f"{host}:{self._port(path, p)}" for name, (host, path, p) in self._metrics_ports.items()}
 
     def _port(self, path: Path, process: subprocess.Popen, timeout_s: float = 60.0) -> int:
         deadline = time.monotonic() + timeout_s
