@@ -31,7 +31,7 @@ class Links:
         on loopback, unshaped)."""
         reason = unavailable()
         if reason and console:
-            console.print(f"{reason}: running on loopback, unshaped")
+            console.print(f"{reason}: running on loopback, unshaped", soft_wrap=True)
         return reason is None
 
     def host(self, k: int) -> Host:

@@ -223,3 +223,20 @@ def test_compare_on_emulated_links_places_the_cluster_and_the_ddp_ranks_on_hosts
     # The ranks' rendezvous store listens on host 0's address, which only the emulated hosts reach.
     assert all(r["state"] == "completed" for r in result["schemes"])
     assert not [n for n in os.listdir("/run/netns") if n.startswith("gradps-")]
+
+
+def test_without_root_one_line_says_so_and_the_bench_runs_on_loopback(tmp_path, monkeypatch):
+    import gradps.netem
+
+    monkeypatch.setattr(gradps.netem.os, "geteuid", lambda: 1000)  # as a user without root
+    out = tmp_path / "rows.json"
+    result = CliRunner().invoke(
+        cli,
+        ["bench", "transport", "--sizes=1", "--shards=1", "--workers=2", "--rounds=1", "--round-mib=1",
+         "--link=1gbit", f"--json={out}"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if "need root" in line]
+    assert said == ["emulated links need root (network namespaces and traffic control): running on loopback, unshaped"]
+    rows = json.loads(out.read_text())
+    assert rows and all(r["link"] is None and r["transport"] != "colocated" for r in rows)
