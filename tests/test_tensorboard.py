@@ -38,7 +38,10 @@ def test_a_local_run_writes_its_curves_for_tensorboard(tmp_path: Path) -> None:
     points = sorted((e.step, e.value) for e in events.Scalars("test_accuracy"))
     assert [s for s, _ in points] == [s for s, _ in evaluated]
     assert [v for _, v in points] == pytest.approx([v for _, v in evaluated], rel=1e-6)
-    assert points[-1][1] == pytest.approx(summary["final_test_accuracy"], rel=1e-6)
+    # The summary's final accuracy is rank 0's last evaluation: one of the points at the last step
+    # (each worker evaluates its own replica there; asgd's replicas differ).
+    last = [v for s, v in points if s == points[-1][0]]
+    assert any(v == pytest.approx(summary["final_test_accuracy"], rel=1e-6) for v in last), (last, summary)
     # Loss and throughput follow the run to its last step; samples/s are positive, wait a fraction.
     assert max(e.step for e in events.Scalars("loss")) == summary["steps"]
     assert all(e.value > 0 for e in events.Scalars("samples_per_second"))
