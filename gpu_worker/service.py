@@ -52,6 +52,7 @@ def train(
         evaluate=lambda m: evaluate(m, dataset),
         report_every=max(1, min(20, steps // 50)),
         transport=transport,
+        seek=sampler.seek,
     )
     slowdown = Slowdown(spec, assignment.rank)
     try:

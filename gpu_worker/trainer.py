@@ -14,6 +14,7 @@ The scheme (sync, asgd, ...) decides what `start`, `step` and `finish` exchange 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -22,11 +23,13 @@ import torch
 from gpu_worker.schemes import WORKER_SCHEMES
 from gpu_worker.schemes.base import Replica
 from gradps import metrics
+from gradps.errors import RolledBack
 from gradps.parameter_client import ParameterClient, tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
 
 Evaluate = Callable[[torch.nn.Module], tuple[float, float]]
+_LOGGER = logging.getLogger("gradps.worker")
 
 
 def weights_digest(params: dict[str, torch.Tensor]) -> bytes:
@@ -50,8 +53,11 @@ class Trainer:
         evaluate: Evaluate | None = None,
         report_every: int = 10,
         transport: str = "shm",
+        seek: Callable[[int], None] | None = None,
     ) -> None:
-        """`transport`: where payloads travel (gradps.transport.TRANSPORTS, see ParameterClient)."""
+        """`transport`: where payloads travel (gradps.transport.TRANSPORTS, see ParameterClient).
+        `seek(step)`: puts the data where it was before step `step`, for a run that goes back to a
+        checkpoint after a shard restarted (None: the data goes on where it is)."""
         self.model = model
         self.session = session
         self.assignment = assignment
@@ -83,6 +89,7 @@ class Trainer:
         # Prometheus series of this process (served where the service serves /metrics).
         self._series = metrics.WorkerSeries(self.spec.scheme, self.spec.codec, self.spec.pull_codec, transport)
         self._step_began = 0.0
+        self._seek = seek
 
     def start(self) -> None:
         """Upload this replica's initial weights (first upload wins) and take the global ones."""
@@ -101,10 +108,10 @@ class Trainer:
         before = self.steps_done
         with torch.no_grad():
             began = time.perf_counter()
-            self.steps_done = min(self.scheme.after_backward(before), self.total_steps)
+            self.steps_done = min(self._exchange(before), self.total_steps)
             now = time.perf_counter()
             self._wait_s += now - began
-        self._series.step(self.steps_done - before, samples, now - self._step_began, now - began)
+        self._series.step(max(0, self.steps_done - before), samples, now - self._step_began, now - began)
         self._series.traffic(self.client.traffic.bytes_pushed, self.client.traffic.bytes_pulled)
         self._step_began = now
         for p in self.params.values():
@@ -124,6 +131,27 @@ class Trainer:
         )
         if evaluate_now or crossed(self.report_every):
             self._report(evaluate_now, done=False)
+
+    def _exchange(self, step: int) -> int:
+        """The scheme's exchange after step `step`'s backward; the step to go on from, which is
+        earlier when the run went back to a checkpoint (a shard of it restarted)."""
+        try:
+            return self.scheme.after_backward(step)
+        except RolledBack as e:
+            told = e
+        while True:  # told again while going back (another shard restarted): go back there
+            _LOGGER.warning(
+                "run %s: a shard restarted; going back from step %d to %d", self.assignment.run_id, step, told.step
+            )
+            self.client.restore_epoch = told.epoch
+            try:
+                self.scheme.went_back(told.step)
+                break
+            except RolledBack as e:
+                told = e
+        if self._seek is not None:
+            self._seek(told.step)
+        return told.step
 
     @property
     def finished(self) -> bool:

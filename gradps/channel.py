@@ -39,6 +39,11 @@ _OPTIONS = (
     # Large streamed transfers on loopback: bigger flow-control windows cut round trips.
     ("grpc.http2.lookahead_bytes", 4 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
+    # A restarted service (a shard, the coordinator) is found again within a second: gRPC's
+    # default reconnect backoff grows to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
 

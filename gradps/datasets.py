@@ -317,6 +317,14 @@ class ShardSampler:
         self._step += 1
         return self._order[start : start + self._batch_size]
 
+    def seek(self, batches: int) -> None:
+        """Go to where a fresh sampler is after `batches` calls of next_batch() (a run that went
+        back to a checkpoint takes the same batches again)."""
+        self._epoch, self._step = divmod(batches, self.steps_per_epoch)
+        if self._epoch and not self._step:  # as next_batch leaves it at an epoch's end
+            self._epoch, self._step = self._epoch - 1, self.steps_per_epoch
+        self._order = self.epoch_order(self._epoch)
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         remaining = self.steps_per_epoch - self._step
         if remaining == 0:

@@ -19,6 +19,10 @@ class GradpsError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata the refusal carries for a program to read (none by default)."""
+        return ()
+
 
 class Invalid(GradpsError):
     """The request is malformed or contradicts what it refers to (shape, dtype, codec, bounds)."""
@@ -91,12 +95,65 @@ class DataLost(GradpsError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+# Unmapped's trailing metadata: the segment's name.
+UNMAPPED_KEY = "gradps-unmapped"
+
+
+class Unmapped(NotNow):
+    """A call names a shared-memory segment the shard has not mapped for the worker (a shard
+    that restarted has none): the worker maps one again (ShardService.MapSegment)."""
+
+    def __init__(self, segment: str, worker_id: int) -> None:
+        super().__init__(f"segment {segment!r} is not mapped for worker {worker_id} in the run")
+        self.segment = segment
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ((UNMAPPED_KEY, self.segment),)
+
+    @staticmethod
+    def told(e: grpc.RpcError) -> bool:
+        """Whether a FAILED_PRECONDITION answer says a segment is not mapped."""
+        return e.code() == Unmapped.code and any(key == UNMAPPED_KEY for key, _ in e.trailing_metadata() or ())
+
+
+# RolledBack's trailing metadata: "<restore epoch>,<step>".
+ROLLED_BACK_KEY = "gradps-rolled-back"
+
+
+class RolledBack(GradpsError):
+    """A shard of the run restarted and the run went back to a consistent checkpoint: the
+    caller goes on from `step`, calling with restore epoch `epoch` (ShardService.RestoreRun)."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, run_id: str, epoch: int, step: int) -> None:
+        super().__init__(f"run {run_id!r} went back to step {step} (restore epoch {epoch}): go on from there")
+        self.epoch = epoch
+        self.step = step
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ((ROLLED_BACK_KEY, f"{self.epoch},{self.step}"),)
+
+    @classmethod
+    def of(cls, e: grpc.RpcError, run_id: str) -> RolledBack | None:
+        """The rollback an ABORTED answer tells of (None for any other answer)."""
+        if e.code() != grpc.StatusCode.ABORTED:
+            return None
+        for key, value in e.trailing_metadata() or ():
+            epoch, _, step = str(value).partition(",")
+            if key == ROLLED_BACK_KEY and epoch.isdigit() and step.isdigit():
+                return cls(run_id, int(epoch), int(step))
+        return None
+
+
 def one_line(e: BaseException) -> str:
     """An exception's message as one line (torch's and others' may span several)."""
     return " ".join(str(e).split()) or type(e).__name__
 
 
 def _abort(context: grpc.ServicerContext, e: GradpsError) -> None:
+    if trailers := e.trailers():
+        context.set_trailing_metadata(trailers)
     context.abort(e.code, one_line(e))
 
 
@@ -150,9 +207,13 @@ __all__ = [
     "NotNow",
     "OutOfRange",
     "PermissionDenied",
+    "ROLLED_BACK_KEY",
+    "RolledBack",
     "StatusInterceptor",
     "TimedOut",
     "TooLarge",
+    "UNMAPPED_KEY",
     "Unavailable",
+    "Unmapped",
     "one_line",
 ]

@@ -84,6 +84,10 @@ class ParameterClient:
         self.pull_codec = pull_codec
         self.timeout_s = timeout_s
         self.traffic = Traffic()
+        # The run's restore epoch this worker is at (ShardService.RestoreRun): after a shard of the
+        # run restarted and the run went back to a checkpoint, calls raise gradps.errors.RolledBack
+        # until the worker goes back and sets the epoch it was told.
+        self.restore_epoch = 0
         # Error feedback residuals live as long as this placement does.
         self.feedback = ErrorFeedback()
         self.versions: dict[PartKey, int] = {}
@@ -150,6 +154,7 @@ class ParameterClient:
 
     def _fetch_into(self, into: dict[str, torch.Tensor], request: shard_pb2.PullRequest) -> None:
         request.run_id, request.worker_id = self.run_id, self.worker_id
+        request.restore_epoch = self.restore_epoch
         request.wait_ms = int(self.timeout_s * 1000)
         flat = {name: t.data.view(-1) for name, t in into.items()}
         self._pin_segments(flat.values())
@@ -164,7 +169,9 @@ class ParameterClient:
 
     def push(self, grads: dict[str, torch.Tensor], step: int) -> int:
         """Push one gradient (compressed with the run's codec); returns the max staleness."""
-        header = shard_pb2.PushRequest(run_id=self.run_id, worker_id=self.worker_id, step=step)
+        header = shard_pb2.PushRequest(
+            run_id=self.run_id, worker_id=self.worker_id, step=step, restore_epoch=self.restore_epoch
+        )
         return self._push(grads, lambda link, items: (link.push(header, items), 0))
 
     def push_pull(
@@ -180,7 +187,9 @@ class ParameterClient:
         for ssp), in one call per shard; returns the max staleness."""
         wait_ms = int(self.timeout_s * 1000)
         pull = shard_pb2.PullRequest(min_version=min_version, clock=clock, codec=self.pull_codec, wait_ms=wait_ms)
-        header = shard_pb2.PushPullRequest(run_id=self.run_id, worker_id=self.worker_id, step=step, pull=pull)
+        header = shard_pb2.PushPullRequest(
+            run_id=self.run_id, worker_id=self.worker_id, step=step, pull=pull, restore_epoch=self.restore_epoch
+        )
         flat = {name: t.data.view(-1) for name, t in into.items()}
         self._pin_segments(flat.values())
         take = self._taker(flat, record_versions=True)
@@ -233,6 +242,7 @@ class ParameterClient:
             members=members,
             is_global=is_global,
             consensus=consensus,
+            restore_epoch=self.restore_epoch,
         )
         frontier = [0]
 

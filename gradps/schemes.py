@@ -61,6 +61,10 @@ class Scheme:
     summary: str
     # The SchemeParams fields its rules read.
     params: tuple[Param, ...] = ()
+    # After a shard restarts, every shard and worker of the run goes back to one checkpointed
+    # step (its versions count steps); else the restarted shard goes on from its own checkpoint
+    # (ps_server/recovery.py).
+    common_cut: bool = False
 
 
 _STALENESS_LR = Param("staleness_lr", bool, False, "lr / max(1, staleness).")
@@ -82,6 +86,7 @@ _ALL = (
                 high=UINT32,
             ),
         ),
+        common_cut=True,
     ),
     Scheme(
         "asgd",
@@ -113,6 +118,7 @@ _ALL = (
             Param("alpha_min", float, 0.1, "min a.", low=0, high=1, low_open=True, zero_is_default=True),
             Param("fixed_alpha", bool, False, "keep a fixed (no adaptation)."),
         ),
+        common_cut=True,
     ),
 )
 

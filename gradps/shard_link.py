@@ -15,6 +15,7 @@ from gradps import wire
 from gradps.auth.tls import client_tls
 from gradps.channel import open_channel
 from gradps.data_stream import StreamError
+from gradps.errors import RolledBack, Unmapped
 from gradps.transport import (
     TRANSPORTS,
     Buffer,
@@ -38,6 +39,9 @@ _SERVICE = "/gradps.v1.ShardService/"
 # so one whose outcome is unknown may be made again.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _ATTEMPTS = 3
+# The longest pause between calls made again while a shard does not answer (it may be restarting;
+# channels reconnect at least this often, gradps.channel).
+_MAX_PAUSE_S = 1.0
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
 # Takes one received part: (metadata, the call's inbound route, bytes that came with it); returns
@@ -54,6 +58,8 @@ class ShardLink:
     ) -> None:
         self.index = index
         self.address = address
+        # Also how long a shard that does not answer (UNAVAILABLE: restarting, or being restored)
+        # is waited for before a call fails.
         self.timeout_s = timeout_s
         self._ids = (run_id, worker_id)
         self._part_counts = part_counts
@@ -74,6 +80,7 @@ class ShardLink:
         stream (unless "grpc"), else the messages; each where it can be set up."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+        self._transport, self._local = transport, local
         run_id, worker_id = self._ids
         route: Route | None = None
         if transport == "shm" and local:
@@ -167,22 +174,36 @@ class ShardLink:
     def _attempts(
         self, call: Callable[[Outbound, Inbound], T], send: bool, receive: bool, retry: Iterable[grpc.StatusCode] = ()
     ) -> T:
-        """`call` through the route, made again inline when the route broke under it, and after
-        the `retry` codes: a call whose outcome the worker cannot see (the shard applies what a
-        call carries whole or not at all, and a push once, so making it again is safe)."""
-        for attempt in range(1, _ATTEMPTS + 1):
+        """`call` through the route, made again inline when the route broke under it, after the
+        `retry` codes (a call whose outcome the worker cannot see: the shard applies what a call
+        carries whole or not at all, and a push once, so making it again is safe), and while the
+        shard does not answer, for up to `timeout_s` (UNAVAILABLE: it restarts, or its run is
+        being restored; a shared segment it has lost is mapped again). RolledBack when the run
+        went back to a checkpoint meanwhile."""
+        give_up = time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 with self.route.call(send, receive) as (out, inbound):
                     return call(out, inbound)
             except (grpc.RpcError, StreamError) as e:
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.DATA_LOSS
-                if attempt == _ATTEMPTS or (code != grpc.StatusCode.DATA_LOSS and code not in retry):
+                if isinstance(e, grpc.RpcError) and (rolled := RolledBack.of(e, self._ids[0])) is not None:
+                    raise rolled from None
+                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < give_up:
+                    time.sleep(min(_MAX_PAUSE_S, 0.1 * 2**attempt))
+                    continue
+                if isinstance(e, grpc.RpcError) and Unmapped.told(e) and attempt < _ATTEMPTS:
+                    _LOGGER.warning("shard %d lost this worker's shared segment: mapping one again", self.index)
+                    self.set_up(self._transport, self._local)
+                    continue
+                if attempt >= _ATTEMPTS or (code != grpc.StatusCode.DATA_LOSS and code not in retry):
                     raise
                 if code == grpc.StatusCode.DATA_LOSS:
                     _LOGGER.warning("shard %d: %s; payloads inline for now", self.index, _reason(e))
                 else:
                     time.sleep(0.2 * attempt)
-        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.route.close()

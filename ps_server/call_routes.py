@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.message import Message
 
 from gradps.data_stream import CallReceiver, CallSender, DataStream
-from gradps.errors import Invalid, NotNow
+from gradps.errors import Invalid, NotNow, Unmapped
 from gradps.shared_memory import RegionWriter, Segment, SegmentError
 from gradps.transport import INLINE_OUT, Inbound, Outbound, RegionIn, RegionOut, StreamIn, StreamOut
 from gradps.v1 import shard_pb2, tensor_pb2
@@ -61,7 +61,7 @@ def segment_of(run: RunState, worker_id: int, name: str) -> Segment:
     with run.cond:
         segment = run.segments.get((worker_id, name))
     if segment is None:
-        raise NotNow(f"segment {name!r} is not mapped for worker {worker_id} in the run")
+        raise Unmapped(name, worker_id)
     return segment
 
 

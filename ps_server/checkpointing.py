@@ -18,6 +18,7 @@ refused.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import threading
@@ -48,6 +49,16 @@ def run_folder_name(run_id: str) -> str:
     if _SAFE_NAME.fullmatch(run_id):
         return run_id
     return "run-" + hashlib.sha256(run_id.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A complete checkpoint as its manifest describes it."""
+
+    sequence: int
+    step: int
+    min_version: int
+    max_version: int
 
 
 @dataclass
@@ -155,7 +166,7 @@ class RunCheckpoints:
 
     def _prune(self) -> None:
         for sequence in self.sequences()[: -self.keep]:
-            checkpoint.remove_tree(self.folder / f"{checkpoint.PREFIX}{sequence:08d}")
+            checkpoint.remove_tree(self._path(sequence))
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no checkpoint is being written; False after `timeout_s`."""
@@ -180,13 +191,40 @@ class RunCheckpoints:
                 path.unlink() if path.is_file() else checkpoint.remove_tree(path)
             self.folder.rmdir()
 
+    def drop_after(self, step: int) -> None:
+        """Remove the checkpoints taken after `step` (the run went back there: their steps will
+        be done again), after the one in flight."""
+        self.wait_idle()
+        for sequence, listed in self.listing().items():
+            if listed.step > step:
+                checkpoint.remove_tree(self._path(sequence))
+
     # ---- reading ----------------------------------------------------------------------------
 
-    def load_latest(self, device: torch.device) -> tuple[RunState, ShardRule, Written] | None:
-        """The run from its newest checkpoint that reads back whole; older ones in turn when it
-        does not (a line for each refused); None when none does."""
-        for sequence in reversed(self.sequences()):
-            path = self.folder / f"{checkpoint.PREFIX}{sequence:08d}"
+    def listing(self) -> dict[int, Listed]:
+        """The complete checkpoints by sequence, oldest first, as their manifests say (not
+        verified; one whose manifest does not read is left out)."""
+        found = {}
+        for sequence in self.sequences():
+            try:
+                m = json.loads((self._path(sequence) / checkpoint.MANIFEST).read_bytes())
+                found[sequence] = Listed(sequence, int(m["step"]), int(m["min_version"]), int(m["max_version"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return found
+
+    def load_step(self, step: int, device: torch.device) -> tuple[RunState, ShardRule, Written] | None:
+        """The run from its newest checkpoint at `step` that reads back whole (None: none does)."""
+        at_step = [sequence for sequence, listed in self.listing().items() if listed.step == step]
+        return self.load_latest(device, at_step)
+
+    def load_latest(
+        self, device: torch.device, sequences: list[int] | None = None
+    ) -> tuple[RunState, ShardRule, Written] | None:
+        """The run from its newest checkpoint (of `sequences`, default all) that reads back
+        whole; older ones in turn when it does not (a line for each refused); None when none does."""
+        for sequence in reversed(self.sequences() if sequences is None else sequences):
+            path = self._path(sequence)
             try:
                 snapshot = checkpoint.read(path, self.expected, device)
                 run, rule = checkpoint.restore(snapshot, self.request, device)
@@ -198,6 +236,9 @@ class RunCheckpoints:
             nbytes = sum(int(f["bytes"]) for f in m["files"].values())
             return run, rule, Written(path, sequence, m["step"], m["min_version"], m["max_version"], nbytes, 0.0)
         return None
+
+    def _path(self, sequence: int) -> Path:
+        return self.folder / f"{checkpoint.PREFIX}{sequence:08d}"
 
 
 class ShardCheckpoints:

@@ -41,6 +41,7 @@ from gradps.errors import Ended, Invalid, NotFound, NotNow, PermissionDenied, To
 from gradps.logs import configure_logging, log_options
 from gradps.placement import place
 from gradps.run_spec import validate, with_defaults
+from gradps.schemes import get_scheme
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
 from ps_server.coordinator_limits import (
@@ -53,6 +54,7 @@ from ps_server.coordinator_limits import (
     check_spec,
     shown,
 )
+from ps_server.recovery import Restart, recover
 from ps_server.run_store import RunStore, StoreError
 
 _LOGGER = logging.getLogger("gradps.coordinator")
@@ -110,6 +112,8 @@ class ShardRecord:
     device: str
     last_seen: float
     alive: bool = True
+    # The shard process's, from its heartbeats: a new one means it restarted.
+    boot_id: str = ""
 
 
 @dataclass
@@ -130,6 +134,10 @@ class RunRecord:
     history_stored: bool = False
     # Was running when the coordinator restarted, and no worker has reported since.
     awaiting_workers: bool = False
+    # Times the run went back to a checkpoint after a shard restarted (ShardService.RestoreRun).
+    restore_epoch: int = 0
+    # One recovery at a time.
+    recovery_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def ended(self) -> bool:
@@ -296,7 +304,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise NotNow(f"run {record.run_id} has no parameters yet")
         # Message by message, shard after shard (no lock held): one large part, or one batch of
         # small ones, in memory at a time.
-        pull = shard_pb2.PullRequest(run_id=record.run_id, worker_id=_EXPORTER_ID, wait_ms=_EXPORT_WAIT_MS)
+        pull = shard_pb2.PullRequest(
+            run_id=record.run_id, worker_id=_EXPORTER_ID, wait_ms=_EXPORT_WAIT_MS, restore_epoch=record.restore_epoch
+        )
         for index, address in enumerate(placement.shards):
             try:
                 for response in self._stub(address).Pull(pull, timeout=_EXPORT_WAIT_MS / 1000 + 30):
@@ -314,7 +324,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> cpb.RegisterShardResponse:
         check_shard(request.address, request.device)
         with self._cond:
-            shard, _ = self._shard_heard(request.address, request.device)
+            shard, _ = self._shard_heard(request.address, request.device, request.boot_id)
         return cpb.RegisterShardResponse(shard_index=shard.index, heartbeat_interval_ms=self._shard_interval_ms())
 
     def ShardHeartbeat(
@@ -322,7 +332,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> cpb.ShardHeartbeatResponse:
         check_shard(request.address, request.device)
         with self._cond:
-            shard, registered = self._shard_heard(request.address, request.device)
+            shard, registered = self._shard_heard(request.address, request.device, request.boot_id)
         return cpb.ShardHeartbeatResponse(
             shard_index=shard.index, registered=registered, heartbeat_interval_ms=self._shard_interval_ms()
         )
@@ -513,6 +523,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 latest=stored.latest,
                 opened_on_shards=stored.opened_on_shards,
                 history_stored=True,
+                # Each restore of a scheme that goes back together took the next epoch.
+                restore_epoch=stored.status.restores if get_scheme(stored.status.spec.scheme).common_cut else 0,
             )
             for stored in stored_runs
         ]
@@ -564,8 +576,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         # Ten heartbeats per timeout: a shard busy applying updates may miss a few.
         return max(50, int(self.heartbeat_timeout_s * 1000 / 10))
 
-    def _shard_heard(self, address: str, device: str) -> tuple[ShardRecord, bool]:
-        """The shard at `address` is alive; registers it when unknown (True) or brings it back."""
+    def _shard_heard(self, address: str, device: str, boot_id: str) -> tuple[ShardRecord, bool]:
+        """The shard at `address` is alive; registers it when unknown (True) or brings it back.
+        A process new to this coordinator (`boot_id`) may have restarted: its runs are checked."""
         now = time.monotonic()
         shard = self._shards.get(address)
         if shard is None:
@@ -574,15 +587,69 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             shard = ShardRecord(self._next_shard_index, address, device, now)
             self._next_shard_index += 1
             self._shards[address] = shard
+            self._check_restart(shard, boot_id)
             _LOGGER.info("shard %d registered at %s", shard.index, address)
             self._schedule()
             return shard, True
         shard.last_seen, shard.device = now, device
+        self._check_restart(shard, boot_id)
         if not shard.alive:
             shard.alive = True
             _LOGGER.info("shard %d at %s is back", shard.index, address)
             self._schedule()
         return shard, False
+
+    def _check_restart(self, shard: ShardRecord, boot_id: str) -> None:
+        """A shard process this coordinator has not heard before: a restarted one holds its runs
+        until told where to go on from (ps_server/recovery.py), each run in its own thread."""
+        if not boot_id or boot_id == shard.boot_id:
+            return
+        shard.boot_id = boot_id
+        for record in self._runs.values():
+            placed = record.placement is not None and shard.address in record.placement.shards
+            if placed and record.opened_on_shards and record.status.state == cpb.RUN_STATE_RUNNING:
+                threading.Thread(
+                    target=self._recover, args=(record, shard.address), name=f"recover-{record.run_id}", daemon=True
+                ).start()
+
+    def _recover(self, record: RunRecord, address: str) -> None:
+        """Bring the run on a restarted shard to a consistent cut; fail it when it cannot go on."""
+        with record.recovery_lock:
+            with self._cond:
+                if record.status.state != cpb.RUN_STATE_RUNNING or record.placement is None:
+                    return
+                placement = record.placement
+                restart = Restart(
+                    run_id=record.run_id,
+                    shards=tuple(sorted({placement.shards[p.shard] for p in placement.parts})),
+                    restarted=address,
+                    common_cut=get_scheme(record.status.spec.scheme).common_cut,
+                    restore_epoch=record.restore_epoch,
+                    live_workers=tuple(sorted(record.live)),
+                    membership_epoch=record.epoch,
+                )
+            outcome = recover(restart)
+            with self._cond:
+                if record.status.state != cpb.RUN_STATE_RUNNING:
+                    return
+                if outcome.error:
+                    _LOGGER.error("run %s: %s", record.run_id, outcome.error, extra={"run_id": record.run_id})
+                    self._end(record, cpb.RUN_STATE_FAILED, outcome.error)
+                elif outcome.step is not None:
+                    record.restore_epoch = outcome.restore_epoch
+                    record.status.rolled_back_steps += max(0, outcome.reached - outcome.step)
+                    record.status.restores += 1
+                    self._event(record)
+                    _LOGGER.warning(
+                        "run %s: shard %d at %s restarted; %s",
+                        record.run_id,
+                        list(placement.shards).index(address),
+                        address,
+                        f"every shard went back to step {outcome.step} from step {outcome.reached}"
+                        if restart.common_cut
+                        else f"it goes on from its checkpoint at step {outcome.step}",
+                        extra={"run_id": record.run_id},
+                    )
 
     def _schedule(self) -> None:
         """Start every pending run that can start, oldest first (gang scheduling).
@@ -807,7 +874,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 )
             elif not shard.alive and silent_s > self._forget_after_s:
                 del self._shards[shard.address]
+                self._fail_runs_on(shard, silent_s)
         return died
+
+    def _fail_runs_on(self, shard: ShardRecord, silent_s: float) -> None:
+        """A shard silent for so long that it is forgotten: its running runs cannot go on (until
+        then a restart of it is waited for: ps_server/recovery.py)."""
+        for record in list(self._runs.values()):
+            placed = record.placement is not None and shard.address in record.placement.shards
+            if placed and record.status.state == cpb.RUN_STATE_RUNNING:
+                message = f"shard {shard.index} at {shard.address} has been silent for {silent_s:.0f} s"
+                self._end(record, cpb.RUN_STATE_FAILED, message)
 
 
 def _check_steps(record: RunRecord, m: cpb.Metrics) -> None:

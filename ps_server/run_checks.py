@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable
 
 from gradps.channel import MAX_PART_BYTES
-from gradps.errors import Invalid, NotFound, one_line
+from gradps.errors import Invalid, NotFound, RolledBack, Unavailable, one_line
 from gradps.optimizer import validate as validate_optimizer
 from gradps.placement import PartKey, dtype_name
 from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
@@ -61,6 +61,18 @@ def check_step(run: RunState, step: int) -> None:
     final push, wagma's final global round) is at step total_steps."""
     if run.total_steps and step > run.total_steps:
         raise Invalid(f"step {step} is beyond the run's {run.total_steps} steps")
+
+
+def check_epoch(run: RunState, epoch: int) -> None:
+    """For a worker's call of restore epoch `epoch` (with `run.cond` held): Unavailable while the
+    run waits for its restore (the call is made again), or is restored only to an older epoch;
+    RolledBack when the run went back to a checkpoint since the worker's epoch."""
+    if run.held:
+        raise Unavailable(f"run {run.run_id!r} is being restored on this shard")
+    if epoch < run.restore_epoch:
+        raise RolledBack(run.run_id, run.restore_epoch, run.restored_step)
+    if epoch > run.restore_epoch:
+        raise Unavailable(f"run {run.run_id!r} is not yet restored to epoch {epoch} on this shard")
 
 
 def check_workers(run: RunState, ids: Iterable[int], what: str) -> None:

@@ -85,6 +85,12 @@ class RunState:
     # The run ended (EndRun: stopped, failed or completed): nothing waits on it or updates it any
     # more, and its parts stay readable until it is closed.
     ended: bool = False
+    # Restores after a shard of the run restarted (ShardService.RestoreRun), and the step the
+    # latest went back to: a worker call of an older epoch is told to go back there.
+    restore_epoch: int = 0
+    restored_step: int = 0
+    # Taken back from a checkpoint at start-up: no worker call is served until RestoreRun.
+    held: bool = False
 
     @classmethod
     def open(
@@ -136,6 +142,13 @@ class RunState:
         """The run is over: calls waiting on it end now (see ShardServicer's waits), not at their
         timeout, which would keep its workers from their next run."""
         self.ended = True
+        self.cond.notify_all()
+
+    def superseded(self, epoch: int, step: int) -> None:
+        """A restore replaced this state (its successor took its segments and streams): calls
+        waiting on it, and those that come with it, are told to go back to `step`."""
+        self.restore_epoch, self.restored_step = epoch, step
+        self.segments, self.streams = {}, {}
         self.cond.notify_all()
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
@@ -74,7 +75,7 @@ from ps_server.received import (
     expected_parts,
     receive,
 )
-from ps_server.run_checks import check_open_run, check_part, check_step, check_workers, opened_by
+from ps_server.run_checks import check_epoch, check_open_run, check_part, check_step, check_workers, opened_by
 from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes import ShardRule, open_run
 from ps_server.waiting import call_wait
@@ -116,6 +117,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._saving: dict[str, RunCheckpoints] = {}
         self._lock = threading.Lock()
         for run, rule, saving in checkpoints.restore(device) if checkpoints else []:
+            # A run that was going on waits for the coordinator to say from which cut (RestoreRun).
+            run.held = not run.ended
             self._runs[run.run_id] = (run, rule)
             self._saving[run.run_id] = saving
         self._push = Call(shard_pb2.PushRequest, "push", "pushed", _push_header, self._pushed_run, _push_decode)
@@ -218,6 +221,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 raise Invalid("a RegisterTensorsRequest carries one part")
             if run is None:
                 run, _ = self._run(request.run_id)
+                with run.cond:
+                    check_epoch(run, run.restore_epoch)  # not while held: initial values come first
                 header = request.run_id, request.overwrite, expected_parts(request.part_count, run, _REGISTER)
             elif (request.run_id, request.overwrite, request.part_count) != header:
                 raise Invalid("every message of a RegisterTensors call repeats its run_id, overwrite and part_count")
@@ -238,6 +243,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def Pull(self, request: shard_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         run, rule = self._run(request.run_id)
+        with run.cond:
+            check_epoch(run, request.restore_epoch)
         route = _pull_route(run, rule, request, context)
         yield from _answer(run, rule, request, route, shard_pb2.PullResponse(), context)
 
@@ -255,6 +262,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         pull = shard_pb2.PullRequest()
         pull.CopyFrom(got.header.pull)
         pull.run_id, pull.worker_id = run.run_id, got.header.worker_id
+        pull.restore_epoch = got.header.restore_epoch
         route = _pull_route(run, rule, pull, context)  # checked before the push changes anything
         header = shard_pb2.PushPullResponse(push=_apply(got, context, began, self._changed))
         yield from _answer(run, rule, pull, route, header, context)
@@ -280,6 +288,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         with run.cond:
             if run.ended:
                 raise Ended(f"run {run.run_id!r} ended: no more rounds")
+            check_epoch(run, header.restore_epoch)
             check_alive(context, "deposit")  # a deposit of a call that went first is not stored
             if header.consensus:  # the average of the latest deposits: nothing deposited, no round
                 averages, frontier = rule.consensus(header.worker_id, list(got.values))
@@ -391,6 +400,91 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             write_seconds=w.seconds,
         )
 
+    def ListCheckpoints(
+        self, request: shard_pb2.ListCheckpointsRequest, context: grpc.ServicerContext
+    ) -> shard_pb2.ListCheckpointsResponse:
+        run, rule = self._run(request.run_id)
+        with self._lock:
+            saving = self._saving.get(request.run_id)
+        listed = saving.listing().values() if saving is not None else []
+        with run.cond:
+            return shard_pb2.ListCheckpointsResponse(
+                checkpoints=[
+                    shard_pb2.CheckpointInfo(
+                        sequence=c.sequence, step=c.step, min_version=c.min_version, max_version=c.max_version
+                    )
+                    for c in listed
+                ],
+                restored=run.held,
+                step=rule.step(),
+                restore_epoch=run.restore_epoch,
+            )
+
+    def RestoreRun(
+        self, request: shard_pb2.RestoreRunRequest, context: grpc.ServicerContext
+    ) -> shard_pb2.RestoreRunResponse:
+        run, rule = self._run(request.run_id)
+        check_workers(run, request.live_workers, "live workers")
+        if request.epoch < run.restore_epoch:
+            raise Invalid(f"restore epoch {request.epoch} is older than the run's {run.restore_epoch}")
+        with self._lock:
+            saving = self._saving.get(request.run_id)
+        if request.HasField("step"):
+            with run.cond:
+                # Held, the state is the checkpoint it was taken back from; the same request
+                # again finds it restored already.
+                here = rule.step() == request.step and (run.held or request.epoch == run.restore_epoch)
+                if here:
+                    run.restore_epoch, run.restored_step = request.epoch, request.step
+            if here and saving is not None:
+                saving.drop_after(request.step)
+            elif not here:
+                run, rule = self._go_back(run, rule, saving, request.step, request.epoch)
+        with run.cond:
+            if request.membership_epoch >= run.membership_epoch:
+                run.membership_epoch = request.membership_epoch
+                run.set_live_workers(set(request.live_workers))
+                rule.membership_changed()
+            run.held = False
+            run.cond.notify_all()
+            step = rule.step()
+        _LOGGER.info(
+            "run %s: served again from step %d (restore epoch %d)",
+            run.run_id,
+            step,
+            run.restore_epoch,
+            extra=_about(run.run_id),
+        )
+        return shard_pb2.RestoreRunResponse(step=step)
+
+    def _go_back(
+        self, run: RunState, rule: ShardRule, saving: RunCheckpoints | None, step: int, epoch: int
+    ) -> tuple[RunState, ShardRule]:
+        """The run's state becomes its checkpoint at `step`, at restore epoch `epoch`: the new
+        state takes the workers' segments and streams, calls on the old one are told to go back."""
+        if saving is None:
+            raise NotNow("this shard has no state dir (--state-dir): it has no checkpoints to go back to")
+        loaded = saving.load_step(step, self.device)
+        if loaded is None:
+            raise NotNow(f"no checkpoint of run {run.run_id!r} at step {step} reads back whole on this shard")
+        restored, restored_rule, written = loaded
+        with run.cond:
+            restored.restore_epoch, restored.restored_step = epoch, step
+            restored.segments, restored.streams = run.segments, run.streams
+            with self._lock:
+                self._runs[run.run_id] = (restored, restored_rule)
+            run.superseded(epoch, step)
+        saving.drop_after(step)
+        _LOGGER.info(
+            "run %s went back to step %d from %s (restore epoch %d)",
+            run.run_id,
+            step,
+            written.path,
+            epoch,
+            extra=_about(run.run_id),
+        )
+        return restored, restored_rule
+
     def _changed(self, run: RunState, rule: ShardRule) -> None:
         """A push or deposit changed the run (its lock held): a checkpoint starts if one is due."""
         saving = self._saving.get(run.run_id)
@@ -399,11 +493,15 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def _pushed_run(self, request: shard_pb2.PushRequest) -> tuple[RunState, ShardRule]:
         found = self._run(request.run_id)
+        with found[0].cond:
+            check_epoch(found[0], request.restore_epoch)  # before its payloads are read
         check_step(found[0], request.step)
         return found
 
     def _round_run(self, request: shard_pb2.GroupAverageRequest) -> tuple[RunState, ShardRule]:
         found = self._run(request.run_id)
+        with found[0].cond:
+            check_epoch(found[0], request.restore_epoch)
         check_step(found[0], request.step)
         check_workers(found[0], request.members, "members")
         return found
@@ -435,6 +533,7 @@ def _answer(
     wait_s = min(request.wait_ms / 1000, MAX_CLAIM_S) if request.wait_ms else _DEFAULT_WAIT_S
     waiting = f"parts not ready (version {request.min_version}, clock {request.clock})"
     with run.cond:
+        check_epoch(run, request.restore_epoch)  # again: the run may have gone back meanwhile
         if not call_wait(run, context, waiting)(lambda: rule.pull_ready(parts, request), wait_s):
             raise TimedOut(f"{waiting} after {wait_s:.1f}s")
         # What is not the live weights (a reduced gradient, ...) is copied now, under the lock
@@ -481,6 +580,7 @@ def _apply(got: Received, context: grpc.ServicerContext, began: float, changed: 
     with run.cond:
         if run.ended:
             raise Ended(f"run {run.run_id!r} ended: no more pushes")
+        check_epoch(run, got.header.restore_epoch)
         _check_live(run, worker_id)
         if (earlier := run.earlier_push(worker_id, step)) is not None:
             applied, staleness = earlier
@@ -550,10 +650,10 @@ _HEARTBEAT_S = 0.5
 
 
 def register_with_coordinator(
-    coordinator: str, address: str, device: str, timeout_s: float = 60.0
+    coordinator: str, address: str, device: str, boot_id: str, timeout_s: float = 60.0
 ) -> tuple[int, float]:
-    """Announce this shard; retry while the coordinator starts (compose starts them together).
-    Returns the shard's index and how often to heartbeat (seconds)."""
+    """Announce this shard (`boot_id`: new for this process); retry while the coordinator starts
+    (compose starts them together). Returns the shard's index and how often to heartbeat (seconds)."""
     deadline = time.monotonic() + timeout_s
     warned = False
     with open_channel(coordinator) as channel:
@@ -561,7 +661,7 @@ def register_with_coordinator(
         while True:
             try:
                 response = stub.RegisterShard(
-                    coordinator_pb2.RegisterShardRequest(address=address, device=device), timeout=5
+                    coordinator_pb2.RegisterShardRequest(address=address, device=device, boot_id=boot_id), timeout=5
                 )
                 set_log_context(shard_index=response.shard_index)
                 return response.shard_index, response.heartbeat_interval_ms / 1000 or _HEARTBEAT_S
@@ -577,7 +677,7 @@ def register_with_coordinator(
 
 
 def heartbeat_coordinator(
-    coordinator: str, address: str, device: str, interval_s: float, stopped: threading.Event
+    coordinator: str, address: str, device: str, boot_id: str, interval_s: float, stopped: threading.Event
 ) -> None:
     """Heartbeat the coordinator with this shard's identity until `stopped`: a coordinator that
     restarted (and knows no shard) takes this one in with the next heartbeat."""
@@ -586,7 +686,7 @@ def heartbeat_coordinator(
     try:
         while not stopped.wait(interval_s):
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            request = coordinator_pb2.ShardHeartbeatRequest(address=address, device=device)
+            request = coordinator_pb2.ShardHeartbeatRequest(address=address, device=device, boot_id=boot_id)
             try:
                 response = stub.ShardHeartbeat(request, timeout=max(1.0, 2 * interval_s))
             except grpc.RpcError as e:
@@ -705,11 +805,12 @@ def main(
         raise click.UsageError(f"--port {port}: {e}") from None
     server.start()
     address = f"{advertise_host}:{bound}"
-    index, interval_s = register_with_coordinator(coordinator, address, str(torch_device))
+    boot_id = uuid.uuid4().hex  # tells the coordinator this process is new (its runs need a restore)
+    index, interval_s = register_with_coordinator(coordinator, address, str(torch_device), boot_id)
     stopped = threading.Event()
     threading.Thread(
         target=heartbeat_coordinator,
-        args=(coordinator, address, str(torch_device), interval_s, stopped),
+        args=(coordinator, address, str(torch_device), boot_id, interval_s, stopped),
         name="coordinator-heartbeat",
         daemon=True,
     ).start()

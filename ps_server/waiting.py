@@ -8,7 +8,7 @@ from collections.abc import Callable
 import grpc
 
 from gradps.channel import wait_for_call
-from gradps.errors import Cancelled, Ended, TimedOut
+from gradps.errors import Cancelled, Ended, RolledBack, TimedOut
 from ps_server.run_state import RunState, Wait
 
 # The slices in which a waiting call checks that its client is still there and its deadline not passed.
@@ -18,9 +18,13 @@ _WAIT_SLICE_S = 0.25
 def call_wait(run: RunState, context: grpc.ServicerContext, waiting: str) -> Wait:
     """How a call waits on `run.cond` (held) for what `waiting` names: a call whose client
     cancelled or whose deadline passed frees its thread at once (Cancelled, TimedOut) rather than
-    after its whole wait; a run that ended or closed meanwhile ends the wait (Ended)."""
+    after its whole wait; a run that ended or closed meanwhile ends the wait (Ended), and one that
+    went back to a checkpoint (RolledBack)."""
+    epoch = run.restore_epoch
 
     def ready_or_over(ready: Callable[[], bool]) -> bool:
+        if run.restore_epoch != epoch:
+            raise RolledBack(run.run_id, run.restore_epoch, run.restored_step)
         if ready():
             return True
         if run.closed or run.ended:

@@ -68,7 +68,15 @@ ADMIN_RPCS = {
         "GetCluster",
         "ExportRun",
     },
-    "ShardService": {"OpenRun", "CloseRun", "EndRun", "SetMembership", "CheckpointRun"},
+    "ShardService": {
+        "OpenRun",
+        "CloseRun",
+        "EndRun",
+        "SetMembership",
+        "CheckpointRun",
+        "ListCheckpoints",
+        "RestoreRun",
+    },
 }
 
 

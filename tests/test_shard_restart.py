@@ -15,6 +15,7 @@ import torch
 
 from gradps import wire
 from gradps.channel import open_channel
+from gradps.errors import RolledBack
 from gradps.parameter_client import ParameterClient
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc
 from ps_server.checkpointing import OPEN_RUN
@@ -41,16 +42,24 @@ def _grads(step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(t.shape, generator=g) for n, t in TENSORS.items()}
 
 
-def _served(address: str, run_id: str) -> dict[tuple[str, int], tuple[int, bytes]]:
-    """What the shard serves for the run: (version, value bytes) by part."""
+def _served(address: str, run_id: str, epoch: int = 0) -> dict[tuple[str, int], tuple[int, bytes]]:
+    """What the shard serves for the run (to a call of restore epoch `epoch`): (version, value
+    bytes) by part."""
     parts = {}
     with open_channel(address) as channel:
         stub = shard_pb2_grpc.ShardServiceStub(channel)
-        pull = shard_pb2.PullRequest(run_id=run_id, worker_id=0, codec=NONE)
+        pull = shard_pb2.PullRequest(run_id=run_id, worker_id=0, codec=NONE, restore_epoch=epoch)
         for response in stub.Pull(pull, timeout=20, wait_for_ready=True):
             for p in wire.parts_of(response):
                 parts[(p.name, p.index)] = (p.version, bytes(p.payload))
     return parts
+
+
+def _restored(address: str, run_id: str) -> shard_pb2.ListCheckpointsResponse:
+    """The run's checkpoints on a restarted shard, once the coordinator told it where to go on from."""
+    listing = shard_pb2.ListCheckpointsRequest(run_id=run_id)
+    until(lambda: not _shard_call(address, "ListCheckpoints", listing).restored, 30, "not restored")  # type: ignore[attr-defined]
+    return _shard_call(address, "ListCheckpoints", listing)  # type: ignore[return-value]
 
 
 def _shard_call(address: str, method: str, request: object) -> object:
@@ -94,18 +103,28 @@ def test_a_sync_run_restarted_from_its_checkpoint_serves_the_same_values_and_ver
 
         services.kill_shard(0)
         services.restart_shard(0)
-        served = _served(address, run_id)
+        # The coordinator hears a new shard process and sends the run back to its newest common
+        # checkpoint (the only one here: step 4) under restore epoch 1.
+        listed = _restored(address, run_id)
+        assert (listed.restore_epoch, listed.step, [c.step for c in listed.checkpoints]) == (1, 4, [4])  # type: ignore[attr-defined]
+        served = _served(address, run_id, epoch=1)
         assert served == at_checkpoint  # values and versions, bit-exact
         assert {v for v, _ in served.values()} == {4}
         stats = _shard_call(address, "GetStats", shard_pb2.GetStatsRequest(run_id=run_id))
         assert stats.min_version == 4 and stats.pushes == 4  # type: ignore[attr-defined]
 
+        # A call of the old epoch is told where to go back to.
+        client = clients[0] = _client(placement, run_id, worker)
+        with pytest.raises(RolledBack) as told:
+            client.push(_grads(6), 6)
+        assert (told.value.epoch, told.value.step) == (1, 4)
+
         # The worker goes on from step 4: the same weights as before the kill, bit for bit (the
         # momentum buffer came back too); a push of step 3, applied before the checkpoint, is
         # answered applied and not applied again.
-        client = clients[0] = _client(placement, run_id, worker)
+        client.restore_epoch = 1
         client.push(_grads(3), 3)
-        assert {v for v, _ in _served(address, run_id).values()} == {4}
+        assert {v for v, _ in _served(address, run_id, epoch=1).values()} == {4}
         for step in (4, 5):
             client.push_pull(_grads(step), step, weights, min_version=step + 1)
             for name in TENSORS:
@@ -145,6 +164,7 @@ def test_checkpoint_run_now_survives_a_kill_and_open_run_again_keeps_it(services
         data[-3] ^= 1
         newest.write_bytes(bytes(data))
         services.restart_shard(0)
+        assert _restored(address, run_id).restore_epoch == 0  # asgd: it goes on from its own, no epoch
         assert _served(address, run_id) == at_first
         log = (tmp_path / "shard-0.log").read_text()
         refused = [line for line in log.splitlines() if "refused" in line]

@@ -46,6 +46,11 @@ class WorkerScheme(ABC):
         """Gradients of step `step` are in the parameters' .grad; returns the next step (a scheme
         may skip steps, as a late wagma worker does)."""
 
+    def went_back(self, step: int) -> None:
+        """The run went back to its checkpoint at `step` (a shard restarted): take the global
+        weights of that step (default: pull them)."""
+        self.client.pull(self.params)
+
     def finish(self, steps_done: int) -> None:
         """Bring the replica to the final global model after `steps_done` steps (default: pull it)."""
         self.client.pull(self.params)

@@ -44,7 +44,15 @@ _ADMIN_CALLS = {
         "GetCluster",
         "ExportRun",
     },
-    "ShardService": {"OpenRun", "CloseRun", "EndRun", "SetMembership", "CheckpointRun"},
+    "ShardService": {
+        "OpenRun",
+        "CloseRun",
+        "EndRun",
+        "SetMembership",
+        "CheckpointRun",
+        "ListCheckpoints",
+        "RestoreRun",
+    },
 }
 
 

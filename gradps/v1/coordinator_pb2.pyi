@@ -66,7 +66,7 @@ class Metrics(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., weights_digest: _Optional[bytes] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason")
+    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason", "restores", "rolled_back_steps")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class RunStatus(_message.Message):
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PENDING_REASON_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec: _run_pb2.RunSpec
     state: RunState
@@ -91,7 +93,9 @@ class RunStatus(_message.Message):
     total_steps: int
     message: str
     pending_reason: str
-    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ...) -> None: ...
+    restores: int
+    rolled_back_steps: int
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ..., restores: _Optional[int] = ..., rolled_back_steps: _Optional[int] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("spec",)
@@ -216,12 +220,14 @@ class GetClusterResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., shard_infos: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
 
 class RegisterShardRequest(_message.Message):
-    __slots__ = ("address", "device")
+    __slots__ = ("address", "device", "boot_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    boot_id: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
 class RegisterShardResponse(_message.Message):
     __slots__ = ("shard_index", "heartbeat_interval_ms")
@@ -232,12 +238,14 @@ class RegisterShardResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ShardHeartbeatRequest(_message.Message):
-    __slots__ = ("address", "device")
+    __slots__ = ("address", "device", "boot_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    boot_id: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
 class ShardHeartbeatResponse(_message.Message):
     __slots__ = ("shard_index", "registered", "heartbeat_interval_ms")

@@ -65,7 +65,7 @@ class SchemeParams(_message.Message):
     def __init__(self, n_push: _Optional[int] = ..., n_fetch: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., dc_lambda: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., staleness: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ..., alpha: _Optional[float] = ..., alpha_min: _Optional[float] = ..., fixed_alpha: _Optional[bool] = ..., backup_workers: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "dataset", "scheme", "scheme_params", "optimizer", "batch_size", "steps", "epochs", "seed", "codec", "pull_codec", "eval_every", "workers", "part_size", "dataset_size", "straggler_rank", "straggler_factor", "jitter", "checkpoint_every_steps", "checkpoint_every_seconds")
+    __slots__ = ("model", "dataset", "scheme", "scheme_params", "optimizer", "batch_size", "steps", "epochs", "seed", "codec", "pull_codec", "eval_every", "workers", "part_size", "dataset_size", "straggler_rank", "straggler_factor", "jitter", "checkpoint_every_steps", "checkpoint_every_seconds", "script")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class RunSpec(_message.Message):
     JITTER_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCRIPT_FIELD_NUMBER: _ClassVar[int]
     model: str
     dataset: str
     scheme: str
@@ -106,4 +107,5 @@ class RunSpec(_message.Message):
     jitter: float
     checkpoint_every_steps: int
     checkpoint_every_seconds: float
-    def __init__(self, model: _Optional[str] = ..., dataset: _Optional[str] = ..., scheme: _Optional[str] = ..., scheme_params: _Optional[_Union[SchemeParams, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[float] = ..., seed: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., pull_codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., eval_every: _Optional[int] = ..., workers: _Optional[int] = ..., part_size: _Optional[int] = ..., dataset_size: _Optional[int] = ..., straggler_rank: _Optional[int] = ..., straggler_factor: _Optional[float] = ..., jitter: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_every_seconds: _Optional[float] = ...) -> None: ...
+    script: str
+    def __init__(self, model: _Optional[str] = ..., dataset: _Optional[str] = ..., scheme: _Optional[str] = ..., scheme_params: _Optional[_Union[SchemeParams, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[float] = ..., seed: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., pull_codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., eval_every: _Optional[int] = ..., workers: _Optional[int] = ..., part_size: _Optional[int] = ..., dataset_size: _Optional[int] = ..., straggler_rank: _Optional[int] = ..., straggler_factor: _Optional[float] = ..., jitter: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_every_seconds: _Optional[float] = ..., script: _Optional[str] = ...) -> None: ...

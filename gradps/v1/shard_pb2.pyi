@@ -107,7 +107,7 @@ class RegisterTensorsResponse(_message.Message):
     def __init__(self, initialised: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step", "into", "stream")
+    __slots__ = ("run_id", "worker_id", "min_version", "wait_ms", "codec", "clock", "gradient", "gradient_step", "into", "stream", "restore_epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class PullRequest(_message.Message):
     GRADIENT_STEP_FIELD_NUMBER: _ClassVar[int]
     INTO_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     min_version: int
@@ -128,7 +129,8 @@ class PullRequest(_message.Message):
     gradient_step: int
     into: _tensor_pb2.SharedRegion
     stream: StreamCall
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ...) -> None: ...
+    restore_epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("part", "parts")
@@ -139,7 +141,7 @@ class PullResponse(_message.Message):
     def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "part_count")
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "part_count", "restore_epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,7 @@ class PushRequest(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     PART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -154,10 +157,11 @@ class PushRequest(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
     stream: StreamCall
     part_count: int
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ...) -> None: ...
+    restore_epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "pull", "part_count")
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "pull", "part_count", "restore_epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +170,7 @@ class PushPullRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -174,7 +179,8 @@ class PushPullRequest(_message.Message):
     stream: StreamCall
     pull: PullRequest
     part_count: int
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., part_count: _Optional[int] = ...) -> None: ...
+    restore_epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., part_count: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
     __slots__ = ("push", "part", "parts")
@@ -197,7 +203,7 @@ class PushResponse(_message.Message):
     def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class GroupAverageRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into", "stream", "part_count", "consensus")
+    __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into", "stream", "part_count", "consensus", "restore_epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +215,7 @@ class GroupAverageRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     PART_COUNT_FIELD_NUMBER: _ClassVar[int]
     CONSENSUS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -220,7 +227,8 @@ class GroupAverageRequest(_message.Message):
     stream: StreamCall
     part_count: int
     consensus: bool
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ..., consensus: _Optional[bool] = ...) -> None: ...
+    restore_epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., is_global: _Optional[bool] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ..., consensus: _Optional[bool] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class GroupAverageResponse(_message.Message):
     __slots__ = ("part", "parts")
@@ -327,3 +335,55 @@ class CheckpointRunResponse(_message.Message):
     snapshot_seconds: float
     write_seconds: float
     def __init__(self, sequence: _Optional[int] = ..., step: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., bytes: _Optional[int] = ..., snapshot_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("sequence", "step", "min_version", "max_version")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    step: int
+    min_version: int
+    max_version: int
+    def __init__(self, sequence: _Optional[int] = ..., step: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints", "restored", "step", "restore_epoch")
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    restored: bool
+    step: int
+    restore_epoch: int
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., restored: _Optional[bool] = ..., step: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
+
+class RestoreRunRequest(_message.Message):
+    __slots__ = ("run_id", "epoch", "step", "keep", "live_workers", "membership_epoch")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    epoch: int
+    step: int
+    keep: bool
+    live_workers: _containers.RepeatedScalarFieldContainer[int]
+    membership_epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., keep: _Optional[bool] = ..., live_workers: _Optional[_Iterable[int]] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+
+class RestoreRunResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...

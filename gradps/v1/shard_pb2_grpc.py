@@ -100,6 +100,16 @@ class ShardServiceStub:
                 request_serializer=gradps_dot_v1_dot_shard__pb2.CheckpointRunRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_shard__pb2.CheckpointRunResponse.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/gradps.v1.ShardService/ListCheckpoints',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.RestoreRun = channel.unary_unary(
+                '/gradps.v1.ShardService/RestoreRun',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.RestoreRunRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.RestoreRunResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -243,6 +253,31 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """Coordinator -> shard: the run's complete checkpoints on this shard, and whether the shard
+        took the run back from them when it started (it then serves no worker call of the run,
+        UNAVAILABLE, until RestoreRun). NOT_FOUND for a run the shard neither holds nor checkpointed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreRun(self, request, context):
+        """Coordinator -> shard, after a shard of the run restarted: go on from a consistent cut. With
+        `step`, the run's state becomes its checkpoint at that step (checkpoints after it are
+        removed: they belong to steps that will be done again) and the restore epoch becomes
+        `epoch`; a worker call of an older epoch is then ABORTED with trailing metadata
+        `gradps-rolled-back: <epoch>,<step>` (go back to `step`, and call with `epoch`), and one of
+        a newer epoch UNAVAILABLE until this shard is restored to it. Without `step` (`keep`), the
+        state is kept as it is (the schemes that need no common step). Either way the membership is
+        set to `live_workers` and the run is served again. FAILED_PRECONDITION when no checkpoint
+        at `step` reads back whole; an epoch older than the run's is INVALID_ARGUMENT; the same
+        request again is OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -310,6 +345,16 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.CheckpointRun,
                     request_deserializer=gradps_dot_v1_dot_shard__pb2.CheckpointRunRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_shard__pb2.CheckpointRunResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'RestoreRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreRun,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.RestoreRunRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.RestoreRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -664,6 +709,60 @@ class ShardService:
             '/gradps.v1.ShardService/CheckpointRun',
             gradps_dot_v1_dot_shard__pb2.CheckpointRunRequest.SerializeToString,
             gradps_dot_v1_dot_shard__pb2.CheckpointRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.ShardService/ListCheckpoints',
+            gradps_dot_v1_dot_shard__pb2.ListCheckpointsRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.ShardService/RestoreRun',
+            gradps_dot_v1_dot_shard__pb2.RestoreRunRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.RestoreRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
