@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from client.ddp_baseline import BASELINES
 from client.help_sections import SectionedCommand
 from client.links import Links
 from client.local_cluster import LocalCluster
-from client.report import follow, print_summary
+from client.report import follow, model_of, print_summary
 from client.sdk import Client, run_spec
 from client.usage import Count, FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
 from gradps.auth.certs import certs
@@ -215,6 +216,21 @@ def _cluster_options(fn: F) -> F:
     return fn
 
 
+_TLS_NOT_LOCAL = (
+    "--tls is --local's (an embedded cluster that serves TLS); to reach a cluster in TLS set GRADPS_TLS_CA "
+    "(or gradps --tls-ca FILE train ...)"
+)
+
+
+def _local_tls_option(fn: F) -> F:
+    return click.option(
+        "--tls",
+        is_flag=True,
+        help="--local: every service serves TLS only, with a CA and certificates of the cluster's own "
+        "(removed when it stops); this command's calls check them.",
+    )(fn)
+
+
 @cli.command(cls=SectionedCommand, context_settings=_CONTEXT)
 @_cluster_options
 @click.option(
@@ -242,6 +258,7 @@ def _cluster_options(fn: F) -> F:
     callback=_checkpoint_every,
     help="Shards with a --state-dir checkpoint the run every N steps (100) or seconds (10s).",
 )
+@_local_tls_option
 @one_line_errors
 def train(
     coordinator: str | None,
@@ -257,12 +274,15 @@ def train(
     tensorboard: Path | None,
     no_progress: bool,
     checkpoint_every: tuple[int, float] | None,
+    tls: bool,
     **options: Any,
 ) -> None:
     """Train one run and print its summary; writes summary.json and metrics.jsonl."""
     coordinator = _chosen_coordinator(local, coordinator)
     if not local and not coordinator:
         raise click.UsageError("give exactly one of --local or --coordinator HOST:PORT (or GRADPS_COORDINATOR)")
+    if tls and not local:
+        raise click.UsageError(_TLS_NOT_LOCAL)
     spec = build_spec(scheme, workers, **options)
     if checkpoint_every:
         spec.checkpoint_every_steps, spec.checkpoint_every_seconds = checkpoint_every
@@ -272,7 +292,7 @@ def train(
         # The services' logs go to the run's folder; until the run has an id, beside it.
         log_dir = Path("runs") / f"local-logs-{os.getpid()}" if out is None else out / "logs"
         with LocalCluster(
-            shards, workers, heartbeat_timeout, log_dir, device, transport, allow_import=allow_import
+            shards, workers, heartbeat_timeout, log_dir, device, transport, allow_import=allow_import, tls_certs=tls
         ) as cluster:
             summary = _train_on(cluster.address, spec, out, no_progress, tensorboard)
         if out is None:
@@ -334,6 +354,12 @@ def _train_on(
     type=click.IntRange(0, 65535),
     help="The coordinator's port on 127.0.0.1, where `gradps status` and the others look by default (0: a free one).",
 )
+@click.option(
+    "--tls",
+    is_flag=True,
+    help="Every service serves TLS only, with a CA and certificates of the cluster's own, kept in the state "
+    "dir (tls/) for the next `gradps up`; prints the GRADPS_TLS_* lines for other shells.",
+)
 @one_line_errors
 def up(
     port: int,
@@ -344,6 +370,7 @@ def up(
     transport: str,
     state_dir: Path,
     allow_import: tuple[str, ...],
+    tls: bool,
 ) -> None:
     """Run a local cluster in the foreground until Ctrl-C; its admin token is in a file (0600) that
     lives as long as the cluster. The services log under the state dir (logs/), not the current one."""
@@ -351,22 +378,39 @@ def up(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     log_dir = state_dir / "logs"
     with LocalCluster(
-        shards, workers, heartbeat_timeout, log_dir, device, transport, state_dir, allow_import=allow_import, port=port
+        shards,
+        workers,
+        heartbeat_timeout,
+        log_dir,
+        device,
+        transport,
+        state_dir,
+        allow_import=allow_import,
+        port=port,
+        tls_certs=tls,
     ) as cluster:
-        click.echo(
-            f"coordinator at {cluster.address}; {_count(shards, 'shard')}, {_count(workers, 'worker')} on {device}. "
-            "Ctrl-C stops."
-        )
-        click.echo(f"  runs are kept in {state_dir}, the services' logs in {log_dir}")
-        click.echo(f"  export GRADPS_COORDINATOR={cluster.address}   # for train, status, runs, export in other shells")
-        click.echo(f"  gradps train --coordinator {cluster.address}")
-        if cluster.token_file:  # this user's commands find it by address; others need the file
-            click.echo(f"  admin token (0600): {cluster.token_file}")
-        try:
+        try:  # Ctrl-C as soon as the first line shows: a clean stop too
+            _print_up(cluster, f"{_count(shards, 'shard')}, {_count(workers, 'worker')} on {device}", state_dir)
             while True:
                 time.sleep(1)
         except KeyboardInterrupt:
             click.echo("stopping")
+
+
+def _print_up(cluster: LocalCluster, what: str, state_dir: Path) -> None:
+    """What `gradps up` says once its cluster runs: where, and what other shells need to reach it."""
+    tls = ", TLS only" if cluster.client_tls is not None else ""
+    click.echo(f"coordinator at {cluster.address}; {what}{tls}. Ctrl-C stops.")
+    click.echo(f"  runs are kept in {state_dir}, the services' logs in {cluster.log_dir}")
+    click.echo(f"  export GRADPS_COORDINATOR={cluster.address}   # for train, status, runs, export in other shells")
+    if cluster.client_tls is not None:
+        tls_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in cluster.client_tls.client_env().items())
+        click.echo(f"  export {tls_env}   # and these: its CA, a client certificate")
+    click.echo(f"  gradps train --coordinator {cluster.address}")
+    if cluster.token_file:  # this user's commands find it by address; others need the file
+        click.echo(f"  admin token (0600): {cluster.token_file}")
+    if cluster.worker_token_file:
+        click.echo(f"  worker token (0600): {cluster.worker_token_file}   # GRADPS_TOKEN_FILE of workers you start")
 
 
 def _default_state_dir() -> Path:
@@ -483,7 +527,7 @@ def runs(coordinator: str, as_json: bool) -> None:
             r.run_id,
             cpb.RunState.Name(r.state).removeprefix("RUN_STATE_").lower(),
             r.spec.scheme,
-            r.spec.model,
+            model_of(r.spec),
             str(r.spec.workers),
             str(max((m.step for m in r.latest), default=0)),
             f"{accuracies[-1]:.4f}" if accuracies else "-",

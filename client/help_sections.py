@@ -16,7 +16,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("Compression", ("codec", "pull_codec")),
     ("Output", ("target_accuracy", "baseline", "eval_every", "out", "tensorboard", "no_progress", "checkpoint_every")),
-    ("Cluster", ("coordinator", "local", "shards", "heartbeat_timeout", "device", "transport", "allow_import")),
+    ("Cluster", ("coordinator", "local", "shards", "heartbeat_timeout", "device", "transport", "allow_import", "tls")),
     ("Optimizer details", ("nesterov", "weight_decay", "schedule", "step_size", "gamma", "warmup_steps")),
     ("Data", ("dataset_size", "batch_size", "seed", "part_size")),
     ("Imbalance (emulated)", ("straggler", "jitter")),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -219,6 +218,12 @@ def launch_command(spec_options: Callable[[Any], Any], build_spec: Callable[...,
         help="Run folder (default runs/<run-id>).",
     )
     @click.option("--no-progress", is_flag=True, help="No live progress bar.")
+    @click.option(
+        "--tls",
+        is_flag=True,
+        help="Local cluster: every service serves TLS only, with a CA and certificates of the cluster's own "
+        "(removed when it stops), which the scripts are given (GRADPS_TLS_*).",
+    )
     @click.argument("script", type=click.Path(exists=True, dir_okay=False, path_type=Path))
     @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
     @one_line_errors
@@ -232,6 +237,7 @@ def launch_command(spec_options: Callable[[Any], Any], build_spec: Callable[...,
         scheme: str,
         out: Path | None,
         no_progress: bool,
+        tls: bool,
         script: Path,
         script_args: tuple[str, ...],
         **options: Any,
@@ -268,6 +274,7 @@ def launch_command(spec_options: Callable[[Any], Any], build_spec: Callable[...,
             no_progress,
             script,
             script_args,
+            tls,
         )
 
     return launch
@@ -285,9 +292,16 @@ def run_launch(
     no_progress: bool,
     script: Path,
     script_args: tuple[str, ...],
+    tls: bool = False,
 ) -> None:
-    """`gradps launch`: the scripts as the workers of the run `spec`, on a local cluster or the
-    one at `coordinator`; ClickException (one line) when the run or a script fails."""
+    """`gradps launch`: the scripts as the workers of the run `spec`, on a local cluster (`tls`:
+    TLS only, with certificates of its own) or the one at `coordinator`; ClickException (one line)
+    when the run or a script fails."""
+    if tls and coordinator:
+        raise click.UsageError(
+            "--tls starts the local cluster with TLS; for the TLS of the cluster at --coordinator give the "
+            "scripts GRADPS_TLS_CA (and GRADPS_TLS_CERT, GRADPS_TLS_KEY)"
+        )
     make_dir(out or Path("runs"))
     with tempfile.TemporaryDirectory(prefix="gradps-launch-") as folder:
         launch_dir = Path(folder)
@@ -298,7 +312,14 @@ def run_launch(
             log_dir = Path("runs") / f"local-logs-{os.getpid()}" if out is None else out / "logs"
             # Its port chosen now: the scripts start (import torch, load their data) while it starts.
             cluster = LocalCluster(
-                shards, 0, heartbeat_timeout, log_dir, resolve_option(device), transport, port=_free_port()
+                shards,
+                0,
+                heartbeat_timeout,
+                log_dir,
+                resolve_option(device),
+                transport,
+                port=_free_port(),
+                tls_certs=tls,
             )
             coordinator = f"127.0.0.1:{cluster.port}"
             _local_credentials(env, cluster, launch_dir)
@@ -333,10 +354,12 @@ def _script_env(launch_dir: Path, transport: str) -> dict[str, str]:
 
 
 def _local_credentials(env: dict[str, str], cluster: LocalCluster, launch_dir: Path) -> None:
-    """The scripts join the local cluster with its worker token, in plaintext: never with the
-    user's settings for another cluster."""
+    """The scripts join the local cluster with its worker token, and its client certificate where it
+    serves TLS: never with the user's settings for another cluster."""
     for key in (TOKEN_ENV, tls.TLS_CERT_ENV, tls.TLS_KEY_ENV, tls.TLS_CA_ENV):
         env.pop(key, None)
+    if cluster.client_tls is not None:
+        env.update(cluster.client_tls.client_env())
     token = cluster.role_token(WORKER)
     if token:
         path = launch_dir / "worker.token"
@@ -354,6 +377,7 @@ def _launch_on(
         worker_ids, optimizer = _wait_for_scripts(scripts, launch_dir)
         for name in _FROM_TORCH:
             setattr(spec.optimizer, name, getattr(optimizer, name))
+        spec.script = scripts.script.name  # its model and data are the script's: listings say so
         validate(with_defaults(spec))  # the torch optimizer's numbers with the launcher's schedule
         run_id = client.submit(spec)
         write_json(run_file(launch_dir), {"run_id": run_id})
@@ -364,9 +388,6 @@ def _launch_on(
             summary = follow(client, run_id, out_dir, show_progress=not no_progress)
         finally:
             watch.done.set()
-        # The spec names the default model and dataset (a RunSpec has no field for a script's own).
-        summary.update(model=scripts.script.name, dataset="its own data")
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         completed = summary["state"] == "completed"
         scripts.wait(None if completed else _EXIT_GRACE_S)
         failure = watch.problem or scripts.failure()

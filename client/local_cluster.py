@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import secrets
 import signal
@@ -22,6 +23,42 @@ from gradps.netem import EmulatedNetwork, Layout
 # Each shard and worker is a process with its own torch (~300 MiB): a typo such as --workers 4000
 # must not fork the machine to a halt.
 MAX_PROCESSES = 256
+
+
+def own_certs(folder: Path, hosts: Sequence[str] = ()) -> Path:
+    """`folder`, holding a local cluster's own CA and the certificates of its services (for loopback
+    and `hosts`) and clients, as `gradps certs` makes them: made now unless it holds them already,
+    valid for every one of `hosts` and for a day more at least. The CA's key is not kept: no one
+    can issue another certificate that the cluster trusts. GradpsError (one line) when the folder
+    cannot be written."""
+    names = ["127.0.0.1", "localhost", *hosts]
+    if _usable_certs(folder, names):
+        return folder
+    try:
+        make_certs(folder, names)
+        (folder / "ca-key.pem").unlink()
+    except OSError as e:
+        raise GradpsError(f"TLS certificates in {folder}: {e.strerror or e}") from None
+    return folder
+
+
+def _usable_certs(folder: Path, names: Sequence[str]) -> bool:
+    """Whether `folder` holds a CA and certificates, for `names`, that remain valid a day more."""
+    from cryptography import x509
+
+    try:
+        files = {name: (folder / f"{name}.pem").read_bytes() for name in ("ca", "service", "client")}
+        if not all((folder / f"{name}-key.pem").is_file() for name in ("service", "client")):
+            return False
+        certificates = {name: x509.load_pem_x509_certificate(pem) for name, pem in files.items()}
+        alt = certificates["service"].extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return False
+    soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
+    if any(c.not_valid_after_utc < soon for c in certificates.values()):
+        return False
+    served = {str(a) for a in alt.get_values_for_type(x509.IPAddress)} | set(alt.get_values_for_type(x509.DNSName))
+    return set(names) <= served
 
 
 class LocalCluster:
@@ -48,7 +85,9 @@ class LocalCluster:
         """`state_dir`: where the coordinator keeps its runs (a later cluster with the same one takes
         them back); None: in memory. `metrics`: every process serves Prometheus metrics on a free
         loopback port (`metrics_targets`). `tls_certs`: every connection in TLS, with the
-        certificates of a `gradps certs` folder, or (True) of a CA of its own; `tls_client_auth`:
+        certificates of a `gradps certs` folder, or (True) of a CA of its own, made in `state_dir`/tls
+        (kept there for the next cluster with that folder) or else in a folder removed at `stop`
+        (`own_certs`); `tls_client_auth`:
         mTLS, the workers and this process presenting the folder's client certificate. `port`: the
         coordinator's (0: a free one). `network`: every process on a host of that emulated network,
         as `layout` places it (default: colocated), binding its host's address; the caller must be
@@ -96,10 +135,12 @@ class LocalCluster:
         self.tls_dir: Path | None = None
         self.client_tls: tls.TlsFiles | None = None
         if tls_certs:
-            self.tls_dir = Path(self._tmp.name) / "tls" if tls_certs is True else Path(tls_certs)
             if tls_certs is True:
                 hosts = [network.address(k) for k in range(network.hosts)] if network else []
-                make_certs(self.tls_dir, ["127.0.0.1", "localhost", *hosts])
+                folder = self.state_dir / "tls" if self.state_dir else Path(self._tmp.name) / "tls"
+                self.tls_dir = own_certs(folder, hosts)
+            else:
+                self.tls_dir = Path(tls_certs)
             self.client_tls = tls.TlsFiles(
                 self.tls_dir / "client.pem", self.tls_dir / "client-key.pem", self.tls_dir / "ca.pem"
             )
@@ -109,8 +150,14 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.coordinator: subprocess.Popen | None = None
         self.shards: list[subprocess.Popen] = []
+        self.shard_ports: list[int] = []
         self.workers: list[subprocess.Popen] = []
         self.address = ""
+
+    @property
+    def worker_token_file(self) -> Path | None:
+        """The file (0600) of the plain worker token, that workers join with; None without a secret."""
+        return self._auth_files.get(WORKER)
 
     def host_address(self, host: int) -> str:
         """Where the processes of `host` listen: its address on the emulated network, or loopback."""
@@ -207,14 +254,16 @@ class LocalCluster:
             client.wait_for_cluster(self.n_shards, self.n_workers)
         return self
 
-    def add_shard(self, i: int) -> subprocess.Popen:
+    def add_shard(self, i: int, port: int = 0) -> subprocess.Popen:
+        """Start shard `i` (on `port`; 0: any free one) and wait until it registered."""
         port_file = Path(self._tmp.name) / f"shard-{i}.port"
+        port_file.unlink(missing_ok=True)
         host = self.layout.shards[i % len(self.layout.shards)]
         address = self.host_address(host)
         p = self._spawn(
             f"shard-{i}",
             "ps_server.shard",
-            "--port=0",
+            f"--port={port}",
             "--data-port=0",
             f"--port-file={port_file}",
             f"--coordinator={self.address}",
@@ -227,10 +276,21 @@ class LocalCluster:
             *([f"--bind={address}"] if self.network else []),
             host=host,
         )
-        self.shards.append(p)
+        if i < len(self.shards):
+            self.shards[i] = p
+        else:
+            self.shards.append(p)
         port = self._port(port_file, p)  # registered once the port file exists
         self._remember(f"{address}:{port}")
+        self.shard_ports[i : i + 1] = [port]
         return p
+
+    def restart_shard(self, i: int) -> subprocess.Popen:
+        """Start shard `i` again after it exited (killed, say), at its address: with a state dir,
+        its runs go on from their checkpoints."""
+        if self.shards[i].poll() is None:
+            raise RuntimeError(f"shard {i} is still running")
+        return self.add_shard(i, self.shard_ports[i])
 
     def role_token(self, role: str) -> str | None:
         """The token of `role` (admin, shard, worker) for this cluster; None when it runs without one."""

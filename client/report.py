@@ -22,8 +22,15 @@ from client.sdk import Client, GradpsError
 from client.tensorboard import RunBoard
 from gradps.codecs import format_codec
 from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import run_pb2
 
 _ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
+
+
+def model_of(spec: run_pb2.RunSpec) -> str:
+    """A run's model as listings show it: `spec.model`, or "script:NAME" for a run whose workers are
+    `gradps launch`'s script NAME (RunSpec.script), which builds a model of its own."""
+    return f"script:{spec.script}" if spec.script else spec.model
 
 
 def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dict[str, Any]:
@@ -36,8 +43,8 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
         "state": cpb.RunState.Name(run.state).removeprefix("RUN_STATE_").lower(),
         "message": run.message,
         "scheme": run.spec.scheme,
-        "model": run.spec.model,
-        "dataset": run.spec.dataset,
+        "model": model_of(run.spec),
+        "dataset": "its own data" if run.spec.script else run.spec.dataset,
         "codec": format_codec(run.spec.codec),
         "workers": run.spec.workers,
         "dead_workers": list(run.dead_workers),

@@ -4,9 +4,15 @@
     gradps-healthcheck           grpc.health.v1 Check on 127.0.0.1:$GRADPS_PORT (coordinator, shard)
     gradps-healthcheck worker    the coordinator at $GRADPS_COORDINATOR lists a live worker named
                                  $GRADPS_WORKER_NAME (default: this host's name)
+    gradps-healthcheck worker --without-token
+                                 the coordinator at $GRADPS_COORDINATOR answers grpc.health.v1
+                                 SERVING, reached as the worker reaches it (its TLS)
 
 Exits 0 when healthy and 1 otherwise (Docker's contract), with one line on stderr saying why.
 A worker serves no port of its own, so its health is what matters to a run: being a live member.
+The list of members is an admin call, which a cluster with tokens refuses a worker's probe (a
+worker holds the worker token alone): there, `--without-token` asks what every caller may ask,
+the coordinator's health, over the same address and TLS that the worker's own calls take.
 With GRADPS_TLS_CA set it connects in TLS, presenting GRADPS_TLS_CERT/KEY where they are set (the
 service's own certificate, which `gradps certs` makes valid for loopback too).
 """
@@ -55,7 +61,12 @@ def _check_worker(coordinator: str, name: str) -> str | None:
 
     with _channel(coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        cluster = stub.GetCluster(coordinator_pb2.GetClusterRequest(), timeout=_TIMEOUT_S)
+        try:
+            cluster = stub.GetCluster(coordinator_pb2.GetClusterRequest(), timeout=_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise
+            return f"{e.code().name}: the worker list is an admin call; with tokens, probe with --without-token"
     if any(w.name == name and w.alive for w in cluster.workers):
         return None
     return f"coordinator {coordinator} lists no live worker named {name!r}"
@@ -68,12 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service", default="", help="server mode: health service name ('' = whole server)")
     parser.add_argument("--coordinator", default=os.environ.get("GRADPS_COORDINATOR"))
     parser.add_argument("--name", default=os.environ.get("GRADPS_WORKER_NAME") or socket.gethostname())
+    parser.add_argument(
+        "--without-token",
+        action="store_true",
+        help="worker mode: the coordinator's grpc.health.v1 (open to every caller) instead of its worker list",
+    )
     args = parser.parse_args(argv)
+    if args.without_token and args.role != "worker":
+        parser.error("--without-token is worker mode's")
     problem: str | None
     try:
         if args.role == "worker":
             if not args.coordinator:
                 problem = "worker mode needs --coordinator or GRADPS_COORDINATOR"
+            elif args.without_token:
+                problem = _check_server(args.coordinator, "gradps.v1.CoordinatorService")
             else:
                 problem = _check_worker(args.coordinator, args.name)
         else:

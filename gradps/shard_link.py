@@ -181,9 +181,8 @@ class ShardLink:
         being restored; a shared segment it has lost is mapped again). RolledBack when the run
         went back to a checkpoint meanwhile."""
         give_up = time.monotonic() + self.timeout_s
-        attempt = 0
+        attempt = waits = 0  # calls that failed for another reason; UNAVAILABLE answers waited out
         while True:
-            attempt += 1
             try:
                 with self.route.call(send, receive) as (out, inbound):
                     return call(out, inbound)
@@ -192,8 +191,10 @@ class ShardLink:
                 if isinstance(e, grpc.RpcError) and (rolled := RolledBack.of(e, self._ids[0])) is not None:
                     raise rolled from None
                 if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < give_up:
-                    time.sleep(min(_MAX_PAUSE_S, 0.1 * 2**attempt))
+                    waits += 1
+                    time.sleep(min(_MAX_PAUSE_S, 0.1 * 2**waits))
                     continue
+                attempt += 1
                 if isinstance(e, grpc.RpcError) and Unmapped.told(e) and attempt < _ATTEMPTS:
                     _LOGGER.warning("shard %d lost this worker's shared segment: mapping one again", self.index)
                     self.set_up(self._transport, self._local)

@@ -1,4 +1,5 @@
-"""Smoke test of `gradps bench transport`: real shards, TCP and gloo references, JSON rows.
+"""Smoke tests of `gradps bench`: real shards, TCP and gloo references, JSON rows, and what each
+bench shows (one progress line on stderr, then its table).
 
 No timed assertions: the machine is shared and noisy; only that every row is complete and every
 measured number is positive.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,7 @@ def test_transport_bench_places_each_shard_beside_a_worker(tmp_path):
         "--rounds=1",
         "--part-size=0.5",  # one part per shard, large enough to go on a data stream
         "--round-mib=1",
+        parts=2,
     )
     assert sorted((r["op"], r["transport"], r["shards"]) for r in rows) == [
         ("push_pull", "colocated", 2),
@@ -105,15 +108,38 @@ def test_transport_plot_draws_what_a_run_has_and_refuses_nothing(tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
-def _bench(tmp_path, *args: str) -> list | dict:
+# stderr as a terminal shows it (the progress line draws only there), at a known width.
+_TERMINAL = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "TERM": "xterm", "COLUMNS": "160"}
+
+
+def _bench(tmp_path, *args: str, parts: int) -> list | dict:
+    """Run `gradps bench ARGS --json FILE`, check what it showed and return the file's content."""
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(cli, ["bench", *args, f"--json={out}"])
+    result = CliRunner().invoke(cli, ["bench", *args, f"--json={out}"], env=_TERMINAL)
     assert result.exit_code == 0, result.output
+    _check_shown(result.stdout, result.stderr, args[0], parts)
     return json.loads(out.read_text())
 
 
+def _check_shown(stdout: str, stderr: str, name: str, parts: int) -> None:
+    """The bench's output: on stderr its one progress line, drawn over itself, up to `parts` of
+    `parts`, and no log line but the last one (where --json wrote); on stdout its table."""
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stderr)
+    assert f" {parts}/{parts} " in plain, plain
+    assert [line[:5] for line in _logged(plain)] == ["wrote"], plain
+    assert f"gradps bench {name}" in stdout, stdout
+
+
+def _logged(stderr: str) -> list[str]:
+    """The lines a console logged (each begins with its time, "[12:34:56] "), less the time; a
+    terminal's lines may end in a carriage return as well."""
+    times = (re.match(r"\[\d\d:\d\d:\d\d\] (.*)", line) for line in re.split(r"[\r\n]", stderr))
+    return [m.group(1) for m in times if m]
+
+
 def test_adam_bench_times_the_shards_update_and_the_per_part_one(tmp_path):
-    rows = _bench(tmp_path, "adam", "--params=300000", "--part-size=0.25", "--steps=2", "--device=cpu")
+    # Its parts: the copy/add reference, then each path.
+    rows = _bench(tmp_path, "adam", "--params=300000", "--part-size=0.25", "--steps=2", "--device=cpu", parts=3)
     assert [r["path"] for r in rows] == ["shard", "per-part"]
     for row in rows:
         assert row["kernels"] == "fused" and row["params"] == 300000 and row["device"] == "cpu"
@@ -131,6 +157,7 @@ def test_step_bench_breaks_a_real_step_down(tmp_path):
         "--steps=2",
         "--warmup=1",
         "--transport=stream",
+        parts=2,  # the cluster, then the steps
     )
     assert b["transport"] == "stream"
     assert (b["model"], b["scheme"], b["workers"], b["device"]) == ("mlp", "asgd", 2, "cpu")
@@ -147,7 +174,14 @@ def test_step_bench_breaks_a_real_step_down(tmp_path):
 
 def test_memory_bench_reports_the_shards_peak_against_what_it_must_hold(tmp_path):
     rows = _bench(
-        tmp_path, "memory", "--size=8", "--workers=1", "--optimizer=adam", "--op=push_pull", "--transport=shm,grpc"
+        tmp_path,
+        "memory",
+        "--size=8",
+        "--workers=1",
+        "--optimizer=adam",
+        "--op=push_pull",
+        "--transport=shm,grpc",
+        parts=2,
     )
     assert sorted(r["transport"] for r in rows) == ["grpc", "shm"]
     for row in rows:
@@ -184,6 +218,10 @@ def test_the_transport_bench_measures_the_cost_of_metrics_side_by_side(tmp_path:
     rows = json.loads(out.read_text())
     assert [(r["transport"], r["metrics"]) for r in rows] == [("shm", False), ("shm", True)]
     assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in rows)
+    # Without a terminal no progress line draws, nor a log line per configuration: the table, and
+    # the one log line that says where the rows went.
+    assert "gradps bench transport" in result.stdout
+    assert [line[:5] for line in _logged(result.stderr)] == ["wrote"], result.stderr
 
 
 def test_a_long_transport_table_is_shortened_to_the_largest_size() -> None:
@@ -210,3 +248,24 @@ def test_a_long_transport_table_is_shortened_to_the_largest_size() -> None:
     many = [row(size, t) for size in (1, 16, 64, 256) for t in ("shm", "stream", "grpc") for _ in range(3)]
     text = printed(many)
     assert text.count("push_pull") == 9 and "36 rows measured; shown: the 256 MiB ones." in text
+
+
+def test_a_long_memory_table_is_shortened_to_the_largest_worker_count() -> None:
+    import io
+
+    from rich.console import Console
+
+    from client.bench.memory import MemoryRow, print_rows
+
+    rows = [
+        MemoryRow(op, 8.0, w, opt, t, 100.0, 150.0, 0.0, 40.0, 40.0, 1.0)
+        for op in ("push_pull", "sync_step")
+        for opt in ("sgd", "adam")
+        for w in (2, 4, 8)
+        for t in ("shm", "stream", "grpc")
+    ]
+    out = io.StringIO()
+    print_rows(rows, Console(file=out, width=200))
+    text = out.getvalue()
+    assert text.count("push_pull") + text.count("sync_step") == 12
+    assert "36 rows measured; shown: the 8-worker ones. --json FILE keeps every row." in text

@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +77,8 @@ _MERGE_KEYS = {
     "volumes": "name",
     "volumeMounts": "mountPath",
 }
+# Lists of strings that a strategic merge replaces whole (the API gives them no merge key).
+_REPLACED_LISTS = {"command", "args"}
 
 
 def _strategic_merge(base, patch, where: str = ""):
@@ -85,7 +86,8 @@ def _strategic_merge(base, patch, where: str = ""):
     null deletes its key, scalars are replaced, and the lists that Kubernetes merges by a key
     (containers, env, volumes by name, volumeMounts by mountPath) merge item by item, the patch's
     items first, as kustomize orders them; an item `$patch: delete` removes its namesake. Anything
-    else (another `$patch` directive, another list) would need more of the rules, so it is refused."""
+    else (another `$patch` directive, another list) would need more of the rules, so it is refused,
+    but a container's command and args, which the patch's replace."""
     if isinstance(base, dict) and isinstance(patch, dict):
         assert not any(key.startswith("$") for key in patch), f"{where}: patch directives are not supported"
         merged = dict(base)
@@ -99,6 +101,8 @@ def _strategic_merge(base, patch, where: str = ""):
         return merged
     if isinstance(base, list) or isinstance(patch, list):
         key = where.rsplit(".", 1)[-1]
+        if key in _REPLACED_LISTS:  # no merge strategy in the API: the patch's list replaces the base's
+            return copy.deepcopy(patch)
         assert key in _MERGE_KEYS, f"{where}: list not merged by name"
         name = _MERGE_KEYS[key]
         deleted = {p[name] for p in patch if p.get("$patch") == "delete"}
@@ -1072,9 +1076,11 @@ def test_the_secure_build_gives_each_service_its_secret_tls_and_probes(secure_bu
             assert secrets_seen == {"gradps-worker-token", tls}
             (tls_volume,) = [v for v in _pod_spec(workload)["volumes"] if v.get("secret", {}).get("secretName") == tls]
             assert [item["key"] for item in tls_volume["secret"]["items"]] == ["ca.crt"], "a worker holds no key"
-            metrics_port = int(env["GRADPS_METRICS_PORT"]["value"])
-            for kind, probe in probes.items():
-                assert "exec" not in probe and probe["httpGet"] == {"path": "/metrics", "port": metrics_port}, kind
+            for kind, probe in probes.items():  # the coordinator's health, as the worker reaches it: no token
+                assert "httpGet" not in probe, kind
+                assert probe["exec"]["command"] == [*image.healthcheck, "--without-token"], kind
+                assert probe["exec"]["command"][0] in image.copied_executables
+                assert probe["timeoutSeconds"] >= 3, f"{name}'s {kind}: a Python process to start"
         else:
             assert files == {
                 "GRADPS_SECRET_FILE": ("gradps-secret", "secret"),
@@ -1188,26 +1194,6 @@ class MountedNetwork(Network):
         return mounts
 
 
-class SecureLocalPods(LocalPods):
-    """LocalPods, whose workers' httpGet probes find the metrics port each bound (any free one here)."""
-
-    def environ(self, pod: Pod) -> dict[str, str]:
-        return super().environ(pod) | {"GRADPS_METRICS_PORT_FILE": str(self.logs / f"{pod.name}.metrics-port")}
-
-    def probe(self, pod: Pod, probe: dict) -> str | None:
-        if "httpGet" not in probe:
-            return super().probe(pod, probe)
-        assert probe["httpGet"]["port"] == int(pod.env["GRADPS_METRICS_PORT"]), "not the metrics port"
-        port = (self.logs / f"{pod.name}.metrics-port").read_text().strip()
-        url = f"http://{_LOCALHOST}:{port}{probe['httpGet']['path']}"
-        try:
-            with urllib.request.urlopen(url, timeout=probe.get("timeoutSeconds", 1)) as reply:
-                status = reply.status
-        except OSError as e:
-            return f"GET {url}: {e}"
-        return None if 200 <= status < 400 else f"GET {url}: {status}"  # the kubelet's success
-
-
 @pytest.mark.timeout(180)
 def test_the_secure_pods_form_a_cluster_as_local_processes(secure_build: SecureBuild, tmp_path: Path):
     from gradps.auth.tokens import ADMIN, ClusterSecret
@@ -1223,7 +1209,7 @@ def test_the_secure_pods_form_a_cluster_as_local_processes(secure_build: SecureB
     }
     objects = secure_build.objects
     network = MountedNetwork(objects, _pods(objects), secrets=volumes, root=tmp_path / "volumes")
-    pods = SecureLocalPods(network, tmp_path)
+    pods = LocalPods(network, tmp_path)
     shards = [p for p in network.pods if _role(p) == "shard"]
     workers = [p for p in network.pods if _role(p) == "worker"]
     coordinator = network.dial("gradps-coordinator", 50051)

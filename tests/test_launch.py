@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from client.cli import cli
 from client.local_cluster import LocalCluster
 from client.sdk import Client
 from gradps.optimizer import spec_of
@@ -80,6 +82,34 @@ def test_launched_script_trains_and_its_state_dict_loads(cluster, tmp_path):
     assert exported.keys() == dict(fresh.named_parameters()).keys()
     for name, value in exported.items():
         assert torch.equal(value, state[name]), name
+
+
+def test_a_launched_run_lists_its_script_as_its_model(cluster, tmp_path):
+    script = tmp_path / "tiny.py"
+    script.write_text(
+        "import torch\nimport gradps\n\ngradps.init()\nmodel = torch.nn.Linear(4, 2)\n"
+        "opt = gradps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)\n"
+        "for x in gradps.batches([torch.randn(8, 4)] * 3):\n"
+        "    opt.zero_grad()\n"
+        "    model(x).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+    )
+    out = tmp_path / "run"
+    r = _launch(
+        "--coordinator", cluster.address, "--workers", "2", "--steps", "3", "--no-progress", "--out", str(out),
+        str(script), cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["model"], summary["dataset"]) == ("script:tiny.py", "its own data"), summary
+    # The spec says so in a field of its own; its model keeps the default, which no worker built.
+    with Client(cluster.address) as client:
+        spec = client.run(summary["run_id"]).run.spec
+    assert (spec.script, spec.model) == ("tiny.py", "mlp")
+    listed = CliRunner().invoke(cli, ["runs", "--coordinator", cluster.address], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0, listed.output
+    (row,) = [line for line in listed.output.splitlines() if summary["run_id"] in line]
+    assert "script:tiny.py" in row and "mlp" not in row, listed.output
 
 
 def test_unsupported_optimizer_fails_with_one_line(cluster, tmp_path):

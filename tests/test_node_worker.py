@@ -1,7 +1,8 @@
 """The protobuf API as a contract: a worker in JavaScript (examples/node-worker, @grpc/grpc-js with
 stock settings, written against the proto alone) trains asgd and sync runs with codecs none and
 int8 against a real coordinator and shards at the default part size, and the run's export equals
-its last pull bit for bit; its done report's weights digest is the proto's layout."""
+its last pull bit for bit; its done report's weights digest is the proto's layout. Over mTLS with
+the worker token too, where without its certificate it is refused."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ import pytest
 import torch
 from torch import nn
 
+from client.local_cluster import LocalCluster
 from client.sdk import Client
 from gpu_worker.trainer import weights_digest
+from gradps.auth.tokens import WORKER
 from gradps.datasets import Dataset, load_dataset
 from gradps.placement import DEFAULT_PART_SIZE, STOCK_MESSAGE_BYTES
 from gradps.v1 import coordinator_pb2 as cpb
@@ -69,12 +72,16 @@ def cluster(tmp_path_factory) -> Iterator[Services]:
         services.stop()
 
 
-def _start_worker(address: str, codec: str, tensors: list[dict] | None, out: Path) -> subprocess.Popen:
+def _start_worker(
+    address: str, codec: str, tensors: list[dict] | None, out: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """A node worker joining `address`, with the token and TLS of `env` alone (GRADPS_TOKEN, GRADPS_TLS_*)."""
     args = [str(NODE), str(WORKER_DIR / "worker.js"), "--coordinator", address, "--codec", codec, "--out", str(out)]
     if tensors is not None:
         args += ["--tensors", json.dumps(tensors)]
     log = open(out.with_suffix(".log"), "wb")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, GRADPS_TOKEN=""))
+    own = {k: v for k, v in os.environ.items() if not k.startswith(("GRADPS_TOKEN", "GRADPS_TLS_"))}
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**own, **(env or {})})
 
 
 def _pulled(out: Path, run_id: str) -> dict[str, torch.Tensor]:
@@ -100,12 +107,59 @@ CASES = [
 
 @pytest.mark.parametrize(("scheme", "codec", "workers", "model"), CASES)
 def test_a_node_worker_trains_and_the_export_is_its_last_pull(cluster, tmp_path, scheme, codec, workers, model):
+    run_id, exported, largest = _train_and_compare(cluster.address, tmp_path, scheme, codec, workers, model)
+    # A stock client (gRPC's 4 MiB receive limit) exports the run too: every message fits.
+    assert largest + 1024 < STOCK_MESSAGE_BYTES
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        parts = list(stub.ExportRun(cpb.ExportRunRequest(run_id=run_id), timeout=60))
+    assert sum(r.part.count for r in parts) == sum(t.numel() for t in exported.values())
+
+
+@pytest.fixture(scope="module")
+def mtls_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+    """A local cluster with a secret, whose every port serves TLS and asks for a client certificate
+    of its own CA (mTLS); no workers of its own."""
+    logs = tmp_path_factory.mktemp("node-mtls")
+    with LocalCluster(1, 0, HEARTBEAT_TIMEOUT_S, logs, tls_certs=True, tls_client_auth=True) as cluster:
+        yield cluster
+
+
+def test_a_node_worker_trains_over_mtls_with_the_worker_token(mtls_cluster, tmp_path):
+    assert mtls_cluster.client_tls is not None
+    tls_env = mtls_cluster.client_tls.client_env()
+    token = mtls_cluster.role_token(WORKER)
+    assert token is not None and tls_env.keys() == {"GRADPS_TLS_CA", "GRADPS_TLS_CERT", "GRADPS_TLS_KEY"}
+    # The same worker without its certificate, or in plaintext, is refused in one line.
+    for without in (["GRADPS_TLS_CERT", "GRADPS_TLS_KEY"], list(tls_env)):
+        env = {"GRADPS_TOKEN": token, **{k: v for k, v in tls_env.items() if k not in without}}
+        out = tmp_path / f"refused-{len(without)}.json"
+        refused = _start_worker(mtls_cluster.address, "none", None, out, env)
+        assert refused.wait(timeout=60) == 1
+        lines = out.with_suffix(".log").read_text().strip().splitlines()
+        assert len(lines) == 1 and "failed: UNAVAILABLE" in lines[0], lines
+    _train_and_compare(
+        mtls_cluster.address, tmp_path, "asgd", tensor_pb2.CODEC_INT8, 1, "mlp", {"GRADPS_TOKEN": token, **tls_env}
+    )
+
+
+def _train_and_compare(
+    address: str,
+    tmp_path: Path,
+    scheme: str,
+    codec: int,
+    workers: int,
+    model: str,
+    env: dict[str, str] | None = None,
+) -> tuple[str, dict[str, torch.Tensor], int]:
+    """`workers` node workers (environment `env`) train one run at `address` to completion; their
+    last pulls are its export bit for bit. The run's id, its export and its largest part in bytes."""
     codec_name = tensor_pb2.Codec.Name(codec).removeprefix("CODEC_").lower()
     tensors = _tensors_of(wide(load_dataset("digits", 0, 0))) if model == "wide" else None
     outs = [tmp_path / f"worker-{i}.json" for i in range(workers)]
-    nodes = [_start_worker(cluster.address, codec_name, tensors, out) for out in outs]
+    nodes = [_start_worker(address, codec_name, tensors, out, env) for out in outs]
     try:
-        with Client(cluster.address) as client:
+        with Client(address) as client:
             until(
                 lambda: sum(w.alive for w in client.cluster().workers) >= workers, 30, "the node workers never joined"
             )
@@ -143,13 +197,7 @@ def test_a_node_worker_trains_and_the_export_is_its_last_pull(cluster, tmp_path,
             assert len(done) == workers and all(m.step == STEPS for m in done)
             assert {m.weights_digest for m in done} == {weights_digest(exported)}
             assert all(m.pushes >= STEPS for m in done) and all(m.loss > 0 for m in done)
-
-        # A stock client (gRPC's 4 MiB receive limit) exports the run too: every message fits.
-        assert largest + 1024 < STOCK_MESSAGE_BYTES
-        with grpc.insecure_channel(cluster.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            parts = list(stub.ExportRun(cpb.ExportRunRequest(run_id=run_id), timeout=60))
-        assert sum(r.part.count for r in parts) == sum(t.numel() for t in exported.values())
+        return run_id, exported, largest
     finally:
         for node in nodes:
             if node.poll() is None:

@@ -9,8 +9,11 @@ the next connection without a restart; `gradps certs` writes a CA and certificat
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -31,7 +34,7 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.cli import cli
-from client.local_cluster import LocalCluster
+from client.local_cluster import LocalCluster, own_certs
 from client.report import follow
 from client.sdk import Client, run_spec
 from gradps.auth import certs, tls
@@ -122,6 +125,24 @@ def test_the_images_health_probe_speaks_tls_where_the_environment_says(mtls_clus
     secure = {**env, **{name: str(cert_dir / file) for name, file in files.items()}}
     assert subprocess.run(probe, env=secure, capture_output=True, timeout=60).returncode == 0
     plain = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 1 and plain.stderr.startswith("unhealthy: UNAVAILABLE"), plain.stderr
+
+
+def test_a_workers_health_probe_needs_no_token_without_the_worker_list(mtls_cluster: LocalCluster, cert_dir: Path):
+    """`gradps-healthcheck worker` as a worker's container runs it on a cluster with tokens: the worker
+    list is an admin call, refused in one line that names the way out; --without-token, the
+    coordinator's health over the worker's TLS, passes, and fails without that TLS."""
+    probe = [sys.executable, "docker/healthcheck.py", "worker", "--coordinator", mtls_cluster.address]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADPS_TLS_", "GRADPS_TOKEN"))}
+    files = {"GRADPS_TLS_CA": "ca.pem", "GRADPS_TLS_CERT": "client.pem", "GRADPS_TLS_KEY": "client-key.pem"}
+    worker = {**env, **{name: str(cert_dir / file) for name, file in files.items()}}
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=60)
+    listed = run([*probe, "--name", "local-worker-0"], env=worker)
+    assert listed.returncode == 1 and "--without-token" in listed.stderr, listed.stderr
+    assert listed.stderr.startswith("unhealthy: UNAUTHENTICATED") and len(listed.stderr.splitlines()) == 1
+    healthy = run([*probe, "--without-token"], env=worker)
+    assert healthy.returncode == 0, healthy.stderr
+    plain = run([*probe, "--without-token"], env=env)
     assert plain.returncode == 1 and plain.stderr.startswith("unhealthy: UNAVAILABLE"), plain.stderr
 
 
@@ -421,3 +442,147 @@ def test_the_transport_bench_measures_each_configuration_with_and_without_tls(tm
     rows = json.loads(out.read_text())
     assert [(r["transport"], r["tls"]) for r in rows] == [("stream", False), ("stream", True)]
     assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in rows)
+
+
+# ---- the embedded cluster's own TLS: gradps up --tls, train --local --tls, launch --tls ------------
+
+
+def _cli_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """The environment of a `gradps` command run as a user runs it: none of this machine's cluster
+    settings, a home of its own (the token store), INFO logs, temporary folders under `tmp`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADPS_", "XDG_"))}
+    (tmp / "home").mkdir(parents=True, exist_ok=True)
+    (tmp / "tmp").mkdir(exist_ok=True)
+    env.update(HOME=str(tmp / "home"), TMPDIR=str(tmp / "tmp"), OMP_NUM_THREADS="1", GRADPS_LOG_LEVEL="INFO")
+    return {**env, **extra}
+
+
+def _gradps(*args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "client.cli", *args]
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _exports(lines: list[str]) -> dict[str, str]:
+    """The variables of the `export A=1 B=2   # ...` lines `gradps up` prints."""
+    found: dict[str, str] = {}
+    for line in lines:
+        if line.split()[:1] == ["export"]:
+            found.update(word.split("=", 1) for word in shlex.split(line, comments=True)[1:])
+    return found
+
+
+def test_up_tls_serves_tls_only_and_prints_what_another_shell_needs(tmp_path: Path):
+    state = tmp_path / "state"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "up", "--tls", "--port", "0", "--shards", "1", "--workers", "0",
+         "--device", "cpu", "--state-dir", str(state)],
+        env=_cli_env(tmp_path / "up"), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    assert up.stdout is not None
+    threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True).start()
+    try:
+        until(lambda: any("worker token" in line for line in lines) or up.poll() is not None, 90, f"{lines}")
+        assert up.poll() is None, "".join(lines)
+        exports = _exports(lines)
+        assert exports.keys() == {"GRADPS_COORDINATOR", "GRADPS_TLS_CA", "GRADPS_TLS_CERT", "GRADPS_TLS_KEY"}, lines
+        address = exports["GRADPS_COORDINATOR"]
+        assert all(Path(exports[k]).parent == state / "tls" for k in exports if k.startswith("GRADPS_TLS_"))
+        admin_token = re.search(r"admin token \(0600\): (\S+)", "".join(lines))
+        assert admin_token, lines
+        # Another shell (another home: no token store), with the lines printed and the token file.
+        shell = _cli_env(tmp_path / "shell", GRADPS_TOKEN_FILE=admin_token.group(1))
+        status = _gradps("status", env={**shell, **exports}, cwd=tmp_path)
+        assert status.returncode == 0 and "1 live shard" in status.stdout, status.stdout + status.stderr
+        plain = _gradps("status", env={**shell, "GRADPS_COORDINATOR": address}, cwd=tmp_path)
+        assert plain.returncode == 1 and len(plain.stderr.strip().splitlines()) == 1, plain.stderr
+        assert _health(address, None, plaintext=True) == grpc.StatusCode.UNAVAILABLE
+        assert _health(address, TlsFiles(ca=Path(exports["GRADPS_TLS_CA"]))) == SERVING
+        assert not (state / "tls" / "ca-key.pem").exists(), "the CA's key is kept: it could issue more"
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(timeout=30)
+    assert code == 0, "".join(lines)
+
+
+def test_a_clusters_own_certificates_are_kept_while_they_serve_and_made_anew_when_they_do_not(tmp_path: Path):
+    folder = tmp_path / "tls"
+    assert own_certs(folder) == folder
+    first = (folder / "ca.pem").read_bytes()
+    own_certs(folder)
+    assert (folder / "ca.pem").read_bytes() == first, "a later `gradps up` keeps the CA its users trust"
+    own_certs(folder, ["10.0.0.9"])  # a name the service certificate lacks: all anew
+    assert (folder / "ca.pem").read_bytes() != first
+    names = x509.load_pem_x509_certificate((folder / "service.pem").read_bytes()).extensions
+    alt = names.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "10.0.0.9" in {str(ip) for ip in alt.get_values_for_type(x509.IPAddress)}
+    TlsFiles(folder / "client.pem", folder / "client-key.pem", folder / "ca.pem").check()
+
+
+def test_train_local_tls_completes_on_a_cluster_that_refuses_plaintext(tmp_path: Path):
+    out, env = tmp_path / "run", _cli_env(tmp_path)
+    train = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "train", "--local", "--tls", "--shards", "1", "--workers", "1",
+         "--device", "cpu", "--steps", "300", "--eval-every", "0", "--no-progress", "--out", str(out)],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        log = out / "logs" / "coordinator.log"
+        serving = lambda: re.search(r"serving on port (\d+)", log.read_text() if log.exists() else "")  # noqa: E731
+        until(lambda: serving() or train.poll() is not None, 90, "the coordinator never served")
+        match = serving()
+        assert match, train.communicate()[0]
+        address = f"127.0.0.1:{match.group(1)}"
+        cas = list((tmp_path / "tmp").glob("gradps-*/tls/ca.pem"))  # the cluster's own, removed at its end
+        assert len(cas) == 1, f"no CA of the cluster's own: {cas}"
+        ca = cas[0]
+        until(lambda: _health(address, TlsFiles(ca=ca)) == SERVING, 30, "no TLS health")
+        assert _health(address, None, plaintext=True) == grpc.StatusCode.UNAVAILABLE
+        assert train.poll() is None, "the run ended before the plaintext call: it proves nothing"
+        output, _ = train.communicate(timeout=300)
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    assert train.returncode == 0, output[-3000:]
+    assert json.loads((out / "summary.json").read_text())["state"] == "completed"
+    assert not list((tmp_path / "tmp").glob("gradps-*")), "the certificates outlived the cluster"
+
+
+def test_launch_tls_gives_the_scripts_the_clusters_certificates(tmp_path: Path):
+    script = tmp_path / "tiny.py"
+    script.write_text(
+        "import os, grpc, torch\nimport gradps\nfrom grpc_health.v1 import health_pb2, health_pb2_grpc\n\n"
+        "gradps.init()\n"
+        "with grpc.insecure_channel(os.environ['GRADPS_COORDINATOR']) as plain:\n"
+        "    try:\n"
+        "        health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)\n"
+        "        print('PLAINTEXT ANSWERED')\n"
+        "    except grpc.RpcError as e:\n"
+        "        print('PLAINTEXT', e.code().name)\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "opt = gradps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)\n"
+        "for x in gradps.batches([torch.randn(8, 4)] * 3):\n"
+        "    opt.zero_grad()\n"
+        "    model(x).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+    )
+    out = tmp_path / "run"
+    args = ["launch", "--tls", "--workers", "1", "--shards", "1", "--device", "cpu", "--steps", "3", "--no-progress"]
+    result = _gradps(*args, "--out", str(out), str(script), env=_cli_env(tmp_path), cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PLAINTEXT UNAVAILABLE" in result.stdout, result.stdout[-3000:]
+    assert json.loads((out / "summary.json").read_text())["state"] == "completed"
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["train", "--coordinator", "127.0.0.1:1", "--tls"], "--tls is --local's"),
+        (["launch", "--coordinator", "127.0.0.1:1", "--tls", "tests/__init__.py"], "--tls starts the local cluster"),
+    ],
+)
+def test_tls_with_another_clusters_coordinator_is_a_one_line_usage_error(args: list[str], words: str):
+    result = CliRunner().invoke(cli, args)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and words in lines[-1], result.output

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from client.bench.display import ProgressLine, table_console
 from client.bench.options import json_option, write_json
 from client.usage import one_line_errors
 from gradps.device import device_option
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from gradps.optimizer import ScheduledOptimizer
+    from gradps.v1 import run_pb2
 
 MiB = 1 << 20
 # Bytes an update must move per float32 parameter: reads + writes.
@@ -114,51 +115,77 @@ def _step_each(optimizers: list[ScheduledOptimizer]) -> None:
 
 
 def measure_adam(
-    n_params: int, part_mib: float, device_name: str, optimizer: str, steps: int, paths: list[str]
+    n_params: int,
+    part_mib: float,
+    device_name: str,
+    optimizer: str,
+    steps: int,
+    paths: list[str],
+    console: Console | None = None,
 ) -> list[AdamRow]:
-    """Time the update of `n_params` float32 parameters cut into parts of `part_mib`."""
+    """Time the update of `n_params` float32 parameters cut into parts of `part_mib` (the progress
+    line on `console`)."""
     import torch
 
-    from gradps.optimizer import ScheduledOptimizer, ShardOptimizer, kernels
     from gradps.v1 import run_pb2
 
     device = torch.device(device_name)
     part_count = max(1, int(part_mib * MiB) // 4)
     counts = [min(part_count, n_params - o) for o in range(0, n_params, part_count)]
     spec = run_pb2.OptimizerSpec(name=optimizer, lr=1e-3)
-    copy_gbps = _stream_gbps(n_params, device, steps)
-    rows = []
-    for path in paths:
-        values = {("bench", i): torch.randn(c, device=device) for i, c in enumerate(counts)}
-        grads = [(key, torch.randn(v.numel(), device=device) * 1e-3, 1.0) for key, v in values.items()]
-        if path == "shard":
-            shard = ShardOptimizer(values, spec, total_steps=10**6)
-            update = functools.partial(shard.apply, grads)
-            used = kernels(list(shard.params.values()))
-        else:
-            params = [torch.nn.Parameter(v, requires_grad=False) for v in values.values()]
-            for param, (_, grad, _) in zip(params, grads, strict=True):
-                param.grad = grad
-            update = functools.partial(_step_each, [ScheduledOptimizer([p], spec, 10**6) for p in params])
-            used = kernels(params)
-        seconds = _time(update, device, steps)
-        gbps = _TRAFFIC[optimizer] * n_params / seconds / 1e9
-        rows.append(
-            AdamRow(
-                path=path,
-                optimizer=optimizer,
-                device=str(device),
-                params=n_params,
-                part_mib=part_mib,
-                kernels=next(iter(used)),
-                seconds=seconds,
-                gbps=gbps,
-                copy_gbps=copy_gbps,
-                ratio_vs_copy=gbps / copy_gbps,
-            )
-        )
-        del values, grads, update
+    with ProgressLine(console, 1 + len(paths), f"copy and add of {n_params:,} floats on {device}") as progress:
+        copy_gbps = _stream_gbps(n_params, device, steps)
+        progress.done()
+        rows = []
+        for path in paths:
+            progress.measuring(f"{path}: {optimizer} update of {len(counts)} parts on {device}")
+            rows.append(_measure_path(path, counts, spec, device, steps, part_mib, copy_gbps))
+            progress.done()
     return rows
+
+
+def _measure_path(
+    path: str,
+    counts: list[int],
+    spec: run_pb2.OptimizerSpec,
+    device: torch.device,
+    steps: int,
+    part_mib: float,
+    copy_gbps: float,
+) -> AdamRow:
+    """One way of applying the update (AdamRow.path) to parts of `counts` parameters, timed; its
+    tensors are freed on return, before the next path allocates its own."""
+    import torch
+
+    from gradps.optimizer import ScheduledOptimizer, ShardOptimizer, kernels
+
+    values = {("bench", i): torch.randn(c, device=device) for i, c in enumerate(counts)}
+    grads = [(key, torch.randn(v.numel(), device=device) * 1e-3, 1.0) for key, v in values.items()]
+    if path == "shard":
+        shard = ShardOptimizer(values, spec, total_steps=10**6)
+        update = functools.partial(shard.apply, grads)
+        used = kernels(list(shard.params.values()))
+    else:
+        params = [torch.nn.Parameter(v, requires_grad=False) for v in values.values()]
+        for param, (_, grad, _) in zip(params, grads, strict=True):
+            param.grad = grad
+        update = functools.partial(_step_each, [ScheduledOptimizer([p], spec, 10**6) for p in params])
+        used = kernels(params)
+    seconds = _time(update, device, steps)
+    n_params = sum(counts)
+    gbps = _TRAFFIC[spec.name] * n_params / seconds / 1e9
+    return AdamRow(
+        path=path,
+        optimizer=spec.name,
+        device=str(device),
+        params=n_params,
+        part_mib=part_mib,
+        kernels=next(iter(used)),
+        seconds=seconds,
+        gbps=gbps,
+        copy_gbps=copy_gbps,
+        ratio_vs_copy=gbps / copy_gbps,
+    )
 
 
 def print_rows(rows: list[AdamRow], console: Console) -> None:
@@ -193,7 +220,8 @@ def print_rows(rows: list[AdamRow], console: Console) -> None:
 def adam(n_params: int, part_mib: float, device: str, optimizer: str, steps: int, json_path: Path | None) -> None:
     """The shard's optimizer update in GB/s of memory traffic, beside a copy of the same memory."""
     _check_fits(n_params, optimizer, device)
-    rows = measure_adam(n_params, part_mib, device, optimizer, steps, ["shard", "per-part"])
-    print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
+    console = Console(stderr=True)
+    rows = measure_adam(n_params, part_mib, device, optimizer, steps, ["shard", "per-part"], console)
+    print_rows(rows, table_console())
     if json_path:
-        write_json(json_path, [asdict(r) for r in rows], Console(stderr=True))
+        write_json(json_path, [asdict(r) for r in rows], console)

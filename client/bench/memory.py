@@ -10,7 +10,6 @@ the shared resident set read after the last round is the one that was there at t
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from client.bench.display import ProgressLine, short_rows, table_console
 from client.bench.options import json_option, parse_choices, parse_counts, transport_option, write_json
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
@@ -93,11 +93,8 @@ def measure_memory(
     op: str = "push_pull",
     transport: str = "shm",
     rounds: int = 3,
-    console: Console | None = None,
 ) -> MemoryRow:
     """Peak memory of the one shard of a fresh cluster while `workers` push and pull `size_mib`."""
-    log = console.log if console else (lambda *a, **k: None)
-    log(f"memory: {op} {size_mib:g} MiB, {workers} workers, {optimizer}, {transport}")
     with LocalCluster(shards=1, workers=0) as cluster, BenchWorkers(cluster.address, workers) as bench_workers:
         pid = cluster.shards[0].pid
         # A tiny run first: the shard's first run loads code (torch.optim's first optimizer alone
@@ -116,13 +113,16 @@ def measure_memory(
 
 
 def print_rows(rows: list[MemoryRow], console: Console) -> None:
+    """The rows as a table; a long matrix shortened to the largest worker count, with a line
+    saying so (`--json FILE` keeps every row)."""
+    shown, note = short_rows(rows, lambda r: r.workers, lambda workers: f"{workers:g}-worker")
     table = Table(
         "op", "MiB", "workers", "optimizer", "via", "baseline MiB", "peak MiB", "shared MiB", "used MiB",
         "expected MiB", "used / expected",
         title="gradps bench memory: shard peak (VmHWM) - workers' shared segments - start-up RSS\n"
         "vs params + optimizer state + workers x push",
     )  # fmt: skip
-    for r in rows:
+    for r in shown:
         table.add_row(
             r.op,
             f"{r.size_mib:g}",
@@ -137,6 +137,8 @@ def print_rows(rows: list[MemoryRow], console: Console) -> None:
             f"{r.ratio:.2f}",
         )
     console.print(table)
+    if note:
+        console.print(note)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -165,14 +167,20 @@ def memory(
 ) -> None:
     """Shard peak memory vs params + optimizer state + one in-flight push per worker."""
     console = Console(stderr=True)
-    rows = [
-        measure_memory(size_mib, w, opt, op, transport, console=console)
+    configurations = [
+        (op, opt, w, transport)
         for op in op_names
         for opt in opt_names
         for w in worker_counts
         for transport in transports
         if not (op == "sync_step" and w < 2)
     ]
-    print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
+    rows = []
+    with ProgressLine(console, len(configurations), "starting") as progress:
+        for op, opt, w, transport in configurations:
+            progress.measuring(f"{op} {size_mib:g} MiB, {w} worker{'s' * (w > 1)}, {opt}, {transport}")
+            rows.append(measure_memory(size_mib, w, opt, op, transport))
+            progress.done()
+    print_rows(rows, table_console())
     if json_path:
         write_json(json_path, [asdict(r) for r in rows], console)

@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from client.bench.display import ProgressLine, table_console
 from client.bench.options import json_option, write_json
 from client.local_cluster import LocalCluster
 from client.sdk import Client
@@ -173,8 +174,7 @@ def measure_step(
 ) -> StepBreakdown:
     """Train `warmup + steps` steps of a real run on a local cluster and break the steps down.
     `checkpoint_every_s`: the shards checkpoint the run that often (in a temporary state dir,
-    which the coordinator keeps its runs in either way)."""
-    log = console.log if console else (lambda *a, **k: None)
+    which the coordinator keeps its runs in either way). The progress line goes to `console`."""
     spec = run_pb2.RunSpec(
         model=model,
         dataset=dataset,
@@ -188,7 +188,9 @@ def measure_step(
         checkpoint_every_seconds=checkpoint_every_s,
     )
     saved: dict[str, float] = {}
+    parts = 3 if checkpoint_every_s else 2  # the cluster, the steps, the checkpoint after them
     with (
+        ProgressLine(console, parts, f"starting {shards} shard{'s' * (shards > 1)} on {device}") as progress,
         tempfile.TemporaryDirectory() as tmp,
         LocalCluster(shards=shards, workers=0, device=device, state_dir=Path(tmp) / "state") as cluster,
     ):
@@ -199,13 +201,17 @@ def measure_step(
         ]
         try:
             with Client(cluster.address) as client:
+                progress.measuring(f"{workers} worker{'s' * (workers > 1)} joining")
                 client.wait_for_cluster(shards, workers)
                 run_id = client.submit(spec)
-                log(f"step bench: {model} on {dataset}, {scheme}, {workers} workers, {shards} shards, on {device}, "
-                    f"{transport}, checkpoints every {checkpoint_every_s:g} s")  # fmt: skip
+                progress.done()
+                progress.measuring(f"{warmup + steps} steps of {model} on {dataset}, {scheme}, {transport}")
                 done = _collect(processes, outs, timeout_s=3600)
+                progress.done()
                 if checkpoint_every_s:
+                    progress.measuring("a checkpoint of every shard, and a plain write of as many bytes")
                     saved = _checkpoint_after(client, run_id, Path(tmp) / "state")
+                    progress.done()
         finally:
             for p in processes:
                 if p.poll() is None:
@@ -318,6 +324,6 @@ def step(
         model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, console, transport,
         checkpoint_every,
     )  # fmt: skip
-    print_breakdown(b, Console(width=None if sys.stdout.isatty() else 160))
+    print_breakdown(b, table_console())
     if json_path:
         write_json(json_path, asdict(b), console)

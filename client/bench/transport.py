@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
@@ -14,9 +13,9 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from client.bench.display import ProgressLine, short_rows, table_console
 from client.bench.link_plot import plot_links
 from client.bench.options import (
     COLOCATED,
@@ -131,20 +130,11 @@ def measure_transport(
     else:
         network, layouts = None, [""]
     rows: list[Row] = []
-    # One line that shows what is measured and how far along, rather than a line per configuration.
+    # The progress line counts every configuration: each push codec with each pull codec.
     codecs = [f"{push}/{pull}" if pull != "none" else push for push in codecs for pull in pull_codecs]
     configurations = len(shards_list) * len(ops) * len(codecs) * len(transports) * len(sizes_mib)
     configurations *= len(tls_modes) * len(metrics_modes) * len(layouts) * max(1, len(links))
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(bar_width=20),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=console is None,
-    )
-    task = progress.add_task("starting the references (TCP echo, gloo)", total=configurations)
+    progress = ProgressLine(console, configurations, "starting the references (TCP echo, gloo)")
     with ExitStack() as outer:
         if network:
             outer.enter_context(network)
@@ -170,7 +160,7 @@ def measure_transport(
                         link = network.use(setting) if network and setting is not None else None
                         shape = f"{n_shards} shard{'s' * (n_shards > 1)}, {w} worker{'s' * (w > 1)}"
                         via = _via(layout or transport, tls, counted, link)
-                        progress.update(task, description=f"{op} {size_mib:g} MiB, {shape}, {codec}, {via}")
+                        progress.measuring(f"{op} {size_mib:g} MiB, {shape}, {codec}, {via}")
                         row = _measure_one(
                             bench_workers,
                             cluster.address,
@@ -193,7 +183,7 @@ def measure_transport(
                         if link:
                             row.transport, row.link = layout, link
                         rows.append(row)
-                        progress.advance(task)
+                        progress.done()
     return rows
 
 
@@ -298,15 +288,10 @@ def _measure_one(
     )
 
 
-# Beyond this many rows the table shows each configuration at its largest size only.
-_SHORT_TABLE_ROWS = 24
-
-
 def print_rows(rows: list[Row], console: Console) -> None:
     """The rows as a table; a long matrix shortened to each configuration's largest size, with a
     line saying so (`--json FILE` keeps every row)."""
-    largest = max((r.size_mib for r in rows), default=0.0)
-    shown = rows if len(rows) <= _SHORT_TABLE_ROWS else [r for r in rows if r.size_mib == largest]
+    shown, note = short_rows(rows, lambda r: r.size_mib, lambda size: f"{size:g} MiB")
     table = Table(
         "op", "MiB", "shards", "workers", "codec", "via", "ms", "GB/s", "TCP GB/s", "vs TCP", "gloo ms", "vs gloo",
         title="gradps bench transport (medians; GB/s = fp32 bytes pushed + pulled over all workers)",
@@ -331,8 +316,8 @@ def print_rows(rows: list[Row], console: Console) -> None:
             f"{r.ratio_vs_gloo:.2f}x" if r.ratio_vs_gloo else "-",
         )
     console.print(table)
-    if len(shown) < len(rows):
-        console.print(f"{len(rows)} rows measured; shown: the {largest:g} MiB ones. --json FILE keeps every row.")
+    if note:
+        console.print(note)
 
 
 _MODES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -470,7 +455,7 @@ def transport(
         layouts=layouts,
         pull_codecs=pull_codecs,
     )
-    print_rows(rows, Console(width=None if sys.stdout.isatty() else 160))
+    print_rows(rows, table_console())
     if json_path:
         write_json(json_path, [asdict(r) for r in rows], console)
     if plot_path:

@@ -13,6 +13,9 @@
 // --tensors: [{"name": "fc.weight", "shape": [10, 64]}, ...] instead of the mlp's tensors.
 // --out: after each run, write the weights of the worker's last pull there as JSON
 //   {"run_id": ..., "tensors": {name: {"shape": [...], "float32_le_base64": ...}}}.
+// GRADPS_TOKEN (or GRADPS_TOKEN_FILE): the plain worker token of a cluster with a secret.
+// GRADPS_TLS_CA: TLS to the coordinator and the shards, their certificates checked against this CA
+//   file; GRADPS_TLS_CERT and GRADPS_TLS_KEY: the certificate it presents for mTLS.
 // Stock gRPC settings throughout: no raised message limits (the default part size fits them).
 'use strict';
 
@@ -35,7 +38,8 @@ function parseArgs(argv) {
     protoDir: path.resolve(__dirname, '..', '..', 'proto'),
     runs: 1,
     waitS: 120,
-    token: process.env.GRADPS_TOKEN || '',
+    token: '',
+    credentials: null,
   };
   const names = {
     '--coordinator': 'coordinator', '--codec': 'codec', '--tensors': 'tensors', '--out': 'out',
@@ -49,7 +53,49 @@ function parseArgs(argv) {
   if (!['none', 'int8'].includes(args.codec)) throw new Error(`--codec must be none or int8, got ${args.codec}`);
   args.runs = Number(args.runs);
   args.waitS = Number(args.waitS);
+  args.token = workerToken(process.env);
+  args.credentials = channelCredentials(process.env);
   return args;
+}
+
+// A file's contents, or an error that names the variable that gave it.
+function readNamed(variable, file) {
+  try {
+    return fs.readFileSync(file);
+  } catch (e) {
+    throw new Error(`${variable} ${file}: ${e.code === 'ENOENT' ? 'no such file' : e.message}`);
+  }
+}
+
+function workerToken(env) {
+  if ((env.GRADPS_TOKEN || '').trim()) return env.GRADPS_TOKEN.trim();
+  const file = (env.GRADPS_TOKEN_FILE || '').trim();
+  return file ? readNamed('GRADPS_TOKEN_FILE', file).toString('utf8').trim() : '';
+}
+
+// grpc-js gives the address it dials as the TLS server name, an IP address too (127.0.0.1, a pod's),
+// which Node warns about once per process (DEP0123); the certificate is checked against that
+// address all the same, so the warning says nothing to this worker's user.
+const emitWarning = process.emitWarning.bind(process);
+process.emitWarning = (warning, ...rest) => {
+  const code = typeof rest[0] === 'object' && rest[0] !== null ? rest[0].code : rest[1];
+  if (code !== 'DEP0123') emitWarning(warning, ...rest);
+};
+
+// TLS when GRADPS_TLS_CA names a CA file (every server's certificate must chain to it), with
+// GRADPS_TLS_CERT and GRADPS_TLS_KEY as this worker's certificate for mTLS; else plaintext.
+function channelCredentials(env) {
+  const [ca, cert, key] = ['GRADPS_TLS_CA', 'GRADPS_TLS_CERT', 'GRADPS_TLS_KEY'].map((v) => (env[v] || '').trim());
+  if (!ca) {
+    if (cert || key) throw new Error('GRADPS_TLS_CERT and GRADPS_TLS_KEY need GRADPS_TLS_CA: the CA of the services');
+    return grpc.credentials.createInsecure();
+  }
+  if (!cert !== !key) throw new Error('give both GRADPS_TLS_CERT and GRADPS_TLS_KEY, or neither');
+  return grpc.credentials.createSsl(
+    readNamed('GRADPS_TLS_CA', ca),
+    key ? readNamed('GRADPS_TLS_KEY', key) : null,
+    cert ? readNamed('GRADPS_TLS_CERT', cert) : null,
+  );
 }
 
 // ---- the proto ----------------------------------------------------------------------------------
@@ -208,7 +254,7 @@ class Run {
     const tensors = this.tensors.map((t) => ({ name: t.name, shape: t.shape, dtype: 'DTYPE_FLOAT32' }));
     const r = await this.w.call('GetPlacement', { run_id: this.runId, tensors, total_steps: this.steps }, 60);
     this.placement = r.placement;
-    this.shards = this.placement.shards.map((address) => new this.w.pkg.ShardService(address, grpc.credentials.createInsecure()));
+    this.shards = this.placement.shards.map((address) => new this.w.pkg.ShardService(address, this.w.args.credentials));
     this.partsOf = this.placement.shards.map(() => []);
     for (const p of this.placement.parts) this.partsOf[p.shard].push(p);
     // RegisterTensors: initial values of every part, codec none; the first upload of a part wins,
@@ -405,7 +451,7 @@ class Worker {
     this.codec = args.codec;
     this.tensors = args.tensors ? JSON.parse(args.tensors) : MLP_DIGITS;
     this.pkg = loadProto(args.protoDir);
-    this.coordinator = new this.pkg.CoordinatorService(args.coordinator, grpc.credentials.createInsecure());
+    this.coordinator = new this.pkg.CoordinatorService(args.coordinator, args.credentials);
     this.token = args.token;
     this.runId = '';
     this.stopped = false;
@@ -517,7 +563,7 @@ if (require.main === module) {
   new Worker(args).serve().then(
     () => process.exit(0),
     (e) => {
-      log(`failed: ${e.code !== undefined ? grpc.status[e.code] + ': ' : ''}${e.details || e.message}`);
+      log(`failed: ${e.code !== undefined ? grpc.status[e.code] + ': ' : ''}${String(e.details || e.message).trim()}`);
       process.exit(1);
     },
   );

@@ -63,6 +63,11 @@ class TlsFiles:
         except OSError as e:
             raise TlsError(f"cannot read {path}: {e.strerror or e}") from None
 
+    def client_env(self) -> dict[str, str]:
+        """The GRADPS_TLS_* variables that give another process's client these files (`client_tls`)."""
+        named = ((TLS_CA_ENV, self.ca), (TLS_CERT_ENV, self.cert), (TLS_KEY_ENV, self.key))
+        return {name: str(path) for name, path in named if path is not None}
+
     def signature(self) -> tuple[_Signature | None, ...]:
         """What changes when any of the files is replaced or rewritten."""
         return tuple(_signature(p) for p in (self.cert, self.key, self.ca))

@@ -1,0 +1,117 @@
+"""A shard killed with SIGKILL in the middle of a run and started again at its address: the run
+goes on from its checkpoints and completes. Real processes (a local cluster with a state dir),
+real files; the test kills and restarts the shard."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.local_cluster import LocalCluster
+from client.report import follow
+from client.sdk import Client
+from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import run_pb2
+
+CHECKPOINT_EVERY = 20
+
+
+def _spec(scheme: str, steps: int, **kw: object) -> run_pb2.RunSpec:
+    base: dict[str, object] = dict(
+        scheme=scheme,
+        workers=2,
+        batch_size=32,
+        steps=steps,
+        eval_every=0,
+        seed=0,
+        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.2),
+        checkpoint_every_steps=CHECKPOINT_EVERY,
+        part_size=16 << 10,  # the mlp's parts on both shards
+    )
+    base.update(kw)
+    return run_pb2.RunSpec(**base)  # type: ignore[arg-type]
+
+
+def _wait_for_step(client: Client, run_id: str, step: int) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        run = client.run(run_id).run
+        assert run.state in (cpb.RUN_STATE_PENDING, cpb.RUN_STATE_RUNNING), run.message
+        if run.state == cpb.RUN_STATE_RUNNING and any(m.step >= step for m in run.latest):
+            return
+        assert time.monotonic() < deadline, f"run {run_id} never reached step {step}"
+        time.sleep(0.02)
+
+
+def _kill_and_restart(cluster: LocalCluster, client: Client, run_id: str, at_step: int, shard: int = 1) -> None:
+    _wait_for_step(client, run_id, at_step)
+    cluster.shards[shard].kill()
+    cluster.shards[shard].wait()
+    time.sleep(0.5)  # the workers find it gone and wait for it
+    cluster.restart_shard(shard)
+
+
+def _exported(client: Client, run_id: str) -> dict[str, torch.Tensor]:
+    return client.export_state_dict(run_id)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    logs = tmp_path / "logs"
+    with LocalCluster(shards=2, workers=2, state_dir=tmp_path / "state", log_dir=logs, heartbeat_timeout_s=2.0) as c:
+        yield c
+
+
+def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_without(cluster, tmp_path):
+    """Every shard goes back to the newest step checkpointed on all of them and the workers redo
+    the steps after it on the same batches: the same weights, bit for bit, as a run left alone
+    (two workers: a sum of two gradients does not depend on their order)."""
+    steps = 600
+    with Client(cluster.address) as client:
+        alone = client.submit(_spec("sync", steps))
+        assert follow(client, alone, tmp_path / "alone", show_progress=False)["state"] == "completed"
+        interrupted = client.submit(_spec("sync", steps))
+        _kill_and_restart(cluster, client, interrupted, at_step=50)
+        summary = follow(client, interrupted, tmp_path / "interrupted", show_progress=False)
+        assert summary["state"] == "completed", summary
+        status = client.run(interrupted).run
+        assert status.restores == 1
+        # Killed at step 50 or a little later: back to step 40 (or 60, if the kill came late).
+        assert status.rolled_back_steps < 2 * CHECKPOINT_EVERY, status.rolled_back_steps
+        a, b = _exported(client, alone), _exported(client, interrupted)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    log = (cluster.log_dir / "coordinator.log").read_text()
+    assert "every shard went back to step" in log
+
+
+def test_a_run_without_checkpoints_fails_with_the_reason_when_its_shard_comes_back_empty(cluster, tmp_path):
+    with Client(cluster.address) as client:
+        run_id = client.submit(_spec("asgd", 100_000, checkpoint_every_steps=0))
+        _kill_and_restart(cluster, client, run_id, at_step=20)
+        summary = follow(client, run_id, tmp_path, show_progress=False)
+    assert summary["state"] == "failed", summary
+    assert "restarted without the run's state" in summary["message"], summary["message"]
+    assert "\n" not in summary["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["sync", "asgd", "ssp", "wagma"])
+def test_each_scheme_survives_a_shard_kill_at_a_random_moment_and_reaches_its_accuracy(cluster, scheme, tmp_path):
+    steps = 600
+    with Client(cluster.address) as client:
+        run_id = client.submit(_spec(scheme, steps))
+        at = random.Random().randint(CHECKPOINT_EVERY + 1, steps // 2)
+        _kill_and_restart(cluster, client, run_id, at_step=at, shard=random.Random().randrange(2))
+        summary = follow(client, run_id, tmp_path, show_progress=False)
+        status = client.run(run_id).run
+    assert summary["state"] == "completed", summary
+    assert status.restores == 1
+    assert summary["final_test_accuracy"] >= 0.95, summary
+    if scheme == "sync":
+        assert status.rolled_back_steps <= 2 * CHECKPOINT_EVERY
