@@ -78,6 +78,7 @@ def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_
         _kill_and_restart(cluster, client, interrupted, at_step=50)
         summary = follow(client, interrupted, tmp_path / "interrupted", show_progress=False)
         assert summary["state"] == "completed", summary
+        assert summary["shard_restores"] == 1
         status = client.run(interrupted).run
         assert status.restores == 1
         # Killed at step 50 or a little later: back to step 40 (or 60, if the kill came late).
@@ -101,7 +102,7 @@ def test_a_run_without_checkpoints_fails_with_the_reason_when_its_shard_comes_ba
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["sync", "asgd", "ssp", "wagma"])
+@pytest.mark.parametrize("scheme", ["sync", "asgd", "ssp", "wagma", "pseudosync"])
 def test_each_scheme_survives_a_shard_kill_at_a_random_moment_and_reaches_its_accuracy(cluster, scheme, tmp_path):
     steps = 600
     with Client(cluster.address) as client:

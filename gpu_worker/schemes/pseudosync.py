@@ -18,11 +18,14 @@ is asked for.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import grpc
 import torch
 
 from gpu_worker.schemes.base import Replica, WorkerScheme
+from gradps.errors import RolledBack
 from gradps.optimizer import ScheduledOptimizer, averages_gradients
 
 
@@ -84,6 +87,17 @@ class PseudosyncWorker(WorkerScheme):
         norm_g = sum(float(actual[n].pow(2).sum(dtype=torch.float64)) for n in actual) ** 0.5
         cosine = dot / (norm_h * norm_g) if norm_h > 0 and norm_g > 0 else 0.0
         return min(1.0, max(self.alpha_min, (self.alpha + (1.0 - cosine)) / 2))
+
+    def went_back(self, step: int) -> None:
+        """The shards went back to step `step` (one restarted): the model lives here, so the
+        replica stays as it is and the steps from `step` on push gradients of it again; the
+        exchanges of the abandoned steps end (told so too) and the prediction starts afresh."""
+        for pending in (self._pushing, self._fetching):
+            if pending is not None:
+                with contextlib.suppress(RolledBack, grpc.RpcError):
+                    pending.result()
+        self._pushing = self._fetching = None
+        self.predicted = None
 
     def finish(self, steps_done: int) -> None:
         """Apply the last step's global gradient; rank 0 publishes the replica for export."""
