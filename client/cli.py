@@ -112,7 +112,7 @@ def spec_options(fn: F) -> F:
         click.option(
             "--dataset",
             default=d.dataset,
-            help="digits, synthetic-images, synthetic-tokens or package.module:function (called as fn(size, seed), "
+            help="digits, synthetic-images, synthetic-tokens, synthetic-tokens-varlen or package.module:function (called as fn(size, seed), "
             "returns a gradps.datasets.Dataset).",
         ),
         click.option(

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 TASKS = ("classification", "language_model")
 
-_BUILTIN_NAMES = ("digits", "synthetic-images", "synthetic-tokens")
+_BUILTIN_NAMES = ("digits", "synthetic-images", "synthetic-tokens", "synthetic-tokens-varlen")
 _DIGITS_TEST_FRACTION = 0.2
 # Fixed regardless of the caller's seed: every process must see the same train/test split.
 _DIGITS_SPLIT_SEED = 0
@@ -33,6 +33,20 @@ _TOKEN_DEFAULT_SIZES = (1024, 128)
 # Probability that a token follows the rule rather than being drawn uniformly: the noise keeps the
 # task from being a lookup table while the best achievable token accuracy stays about 0.9.
 _TOKEN_RULE_PROB = 0.9
+# Variable-length sequences: Pareto lengths with P(length >= L) = (_VARLEN_MIN / L) ** _VARLEN_TAIL,
+# capped at _VARLEN_MAX. Half are at most 11 tokens, 1 in 64 reaches 64 and 1 in 256 the cap, so
+# the longest of a 32-sequence batch, which sets its step time, is 30 to 128 in 8 batches of 10.
+_VARLEN_MIN = 8
+_VARLEN_MAX = 128
+_VARLEN_TAIL = 2.0
+_VARLEN_DEFAULT_SIZES = (2048, 256)
+
+# Target at a padded position (past its sequence's end): loss and accuracy leave it out. The value
+# is torch's default ignore_index for cross-entropy.
+PAD_TARGET = -100
+# Input at a padded position. Any real token serves: padding follows the sequence, and the model is
+# causal, so no real position attends to it.
+PAD_TOKEN = 0
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensors field by field is ambiguous
@@ -45,7 +59,9 @@ class Dataset:
 
     name: str  # the name or import path it was loaded by
     train_x: torch.Tensor  # training inputs, (N, *input_shape)
-    train_y: torch.Tensor  # training targets: int64 labels (N,), or next tokens (N, T) for an LM
+    # training targets: int64 labels (N,), or next tokens (N, T) for an LM, PAD_TARGET past the end
+    # of a sequence shorter than T (padding only at the end)
+    train_y: torch.Tensor
     test_x: torch.Tensor  # test inputs, (M, *input_shape)
     test_y: torch.Tensor  # test targets, same layout as train_y
     task: str  # "classification" or "language_model"
@@ -78,10 +94,12 @@ def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collecti
     """Load a built-in dataset by name, or a user dataset by `"package.module:function"`.
 
     Built-ins: `digits` (scikit-learn's bundled 8x8 digits, a fixed stratified 80/20 split; `size`
-    and `seed` are ignored), `synthetic-images` (3x32x32, 10 classes) and `synthetic-tokens`
-    (causal LM sequences). For the synthetic ones `size` > 0 sets the number of training samples
-    (test samples: max(64, size // 4)) and `seed` determines every tensor. A user function is
-    called as `function(size, seed)` and must return a `Dataset`.
+    and `seed` are ignored), `synthetic-images` (3x32x32, 10 classes), `synthetic-tokens` (causal LM
+    sequences of 64 tokens) and `synthetic-tokens-varlen` (the same rule, lengths 8..128 from a
+    power law, padded to 128: inputs with PAD_TOKEN, targets with PAD_TARGET). For the synthetic
+    ones `size` > 0 sets the number of training samples (test samples: max(64, size // 4)) and
+    `seed` determines every tensor. A user function is called as `function(size, seed)` and must
+    return a `Dataset`.
 
     `allow_import`: the import paths that may be imported (`check_import_allowed`); None: any,
     for a caller whose own code names the dataset. ImportRefused for one that is not allowed.
@@ -160,6 +178,8 @@ def _load_builtin(name: str, size: int, seed: int) -> Dataset:
         return _digits()
     if name == "synthetic-images":
         return _synthetic_images(*_synthetic_sizes(size, _IMAGE_DEFAULT_SIZES), seed)
+    if name == "synthetic-tokens-varlen":
+        return _synthetic_tokens_varlen(*_synthetic_sizes(size, _VARLEN_DEFAULT_SIZES), seed)
     return _synthetic_tokens(*_synthetic_sizes(size, _TOKEN_DEFAULT_SIZES), seed)
 
 
@@ -220,23 +240,31 @@ def _synthetic_images(n_train: int, n_test: int, seed: int) -> Dataset:
     )
 
 
-def _synthetic_tokens(n_train: int, n_test: int, seed: int) -> Dataset:
-    generator = torch.Generator().manual_seed(seed)
+def _token_rule(generator: torch.Generator) -> tuple[int, int]:
     # The rule next = (a * token + c) mod vocab with odd a is a permutation of the vocabulary, so
     # every token has exactly one likely successor.
     multiplier = 2 * int(torch.randint(0, _TOKEN_VOCAB // 2, (1,), generator=generator)) + 1
     offset = int(torch.randint(0, _TOKEN_VOCAB, (1,), generator=generator))
+    return multiplier, offset
 
-    def draw(n: int) -> torch.Tensor:
-        tokens = torch.empty(n, _TOKEN_SEQ_LEN + 1, dtype=torch.int64)
-        tokens[:, 0] = torch.randint(0, _TOKEN_VOCAB, (n,), generator=generator)
-        for i in range(1, _TOKEN_SEQ_LEN + 1):
-            follows = torch.rand(n, generator=generator) < _TOKEN_RULE_PROB
-            random_tokens = torch.randint(0, _TOKEN_VOCAB, (n,), generator=generator)
-            tokens[:, i] = torch.where(follows, (multiplier * tokens[:, i - 1] + offset) % _TOKEN_VOCAB, random_tokens)
-        return tokens
 
-    train, test = draw(n_train), draw(n_test)
+def _rule_sequences(n: int, length: int, rule: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """(n, length) tokens, each following `rule` from the one before with probability _TOKEN_RULE_PROB."""
+    multiplier, offset = rule
+    tokens = torch.empty(n, length, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(0, _TOKEN_VOCAB, (n,), generator=generator)
+    for i in range(1, length):
+        follows = torch.rand(n, generator=generator) < _TOKEN_RULE_PROB
+        random_tokens = torch.randint(0, _TOKEN_VOCAB, (n,), generator=generator)
+        tokens[:, i] = torch.where(follows, (multiplier * tokens[:, i - 1] + offset) % _TOKEN_VOCAB, random_tokens)
+    return tokens
+
+
+def _synthetic_tokens(n_train: int, n_test: int, seed: int) -> Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    rule = _token_rule(generator)
+    train = _rule_sequences(n_train, _TOKEN_SEQ_LEN + 1, rule, generator)
+    test = _rule_sequences(n_test, _TOKEN_SEQ_LEN + 1, rule, generator)
     return Dataset(
         name="synthetic-tokens",
         train_x=train[:, :-1].contiguous(),
@@ -245,6 +273,39 @@ def _synthetic_tokens(n_train: int, n_test: int, seed: int) -> Dataset:
         test_y=test[:, 1:].contiguous(),
         task="language_model",
         input_shape=(_TOKEN_SEQ_LEN,),
+        num_classes=_TOKEN_VOCAB,
+    )
+
+
+def sequence_lengths(targets: torch.Tensor) -> torch.Tensor:
+    """Real (unpadded) tokens per sequence of a language model's (N, T) targets."""
+    return (targets != PAD_TARGET).sum(dim=1)
+
+
+def _synthetic_tokens_varlen(n_train: int, n_test: int, seed: int) -> Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    rule = _token_rule(generator)
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = _rule_sequences(n, _VARLEN_MAX + 1, rule, generator)
+        # Inverse-CDF draw of the Pareto length; 1 - U lies in (0, 1], so the power is finite.
+        uniform = 1.0 - torch.rand(n, generator=generator, dtype=torch.float64)
+        lengths = (_VARLEN_MIN * uniform ** (-1.0 / _VARLEN_TAIL)).floor().clamp(_VARLEN_MIN, _VARLEN_MAX).long()
+        padded = torch.arange(_VARLEN_MAX).unsqueeze(0) >= lengths.unsqueeze(1)
+        x = tokens[:, :-1].masked_fill(padded, PAD_TOKEN)
+        y = tokens[:, 1:].masked_fill(padded, PAD_TARGET)
+        return x, y
+
+    train_x, train_y = draw(n_train)
+    test_x, test_y = draw(n_test)
+    return Dataset(
+        name="synthetic-tokens-varlen",
+        train_x=train_x,
+        train_y=train_y,
+        test_x=test_x,
+        test_y=test_y,
+        task="language_model",
+        input_shape=(_VARLEN_MAX,),
         num_classes=_TOKEN_VOCAB,
     )
 

@@ -18,6 +18,7 @@ _MODEL_CASES = [
     ("cnn", "synthetic-images"),
     ("resnet18", "synthetic-images"),
     ("transformer", "synthetic-tokens"),
+    ("transformer", "synthetic-tokens-varlen"),
 ]
 
 
@@ -191,7 +192,7 @@ def test_evaluate_language_model_reports_token_accuracy() -> None:
 def test_unknown_names_list_the_builtins() -> None:
     with pytest.raises(ValueError, match="mlp, cnn, resnet18, transformer"):
         build_model("vgg", load_dataset("digits"))
-    with pytest.raises(ValueError, match="digits, synthetic-images, synthetic-tokens"):
+    with pytest.raises(ValueError, match="digits, synthetic-images, synthetic-tokens, synthetic-tokens-varlen"):
         load_dataset("mnist")
     with pytest.raises(ValueError, match="no_such_module.*built-in models: mlp"):
         build_model("no_such_module:fn", load_dataset("digits"))
@@ -199,7 +200,7 @@ def test_unknown_names_list_the_builtins() -> None:
         load_dataset("tests.test_models_datasets:missing")
     with pytest.raises(ValueError, match="unknown task"):
         loss_fn("regression")
-    assert builtin_dataset_names() == ["digits", "synthetic-images", "synthetic-tokens"]
+    assert builtin_dataset_names() == ["digits", "synthetic-images", "synthetic-tokens", "synthetic-tokens-varlen"]
     assert model_names() == ["mlp", "cnn", "resnet18", "transformer"]
 
 
