@@ -112,8 +112,8 @@ def spec_options(fn: F) -> F:
         click.option(
             "--dataset",
             default=d.dataset,
-            help="digits, synthetic-images, synthetic-tokens, synthetic-tokens-varlen or package.module:function (called as fn(size, seed), "
-            "returns a gradps.datasets.Dataset).",
+            help="digits, synthetic-images, synthetic-tokens, synthetic-tokens-varlen or package.module:function "
+            "(called as fn(size, seed), returns a gradps.datasets.Dataset).",
         ),
         click.option(
             "--dataset-size", default=0, type=Count(min=0, max=UINT64), help="Samples for synthetic datasets."

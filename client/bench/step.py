@@ -274,7 +274,11 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default="resnet18", help="mlp, cnn, resnet18, transformer or package.module:function.")
-@click.option("--dataset", default="synthetic-images", help="digits, synthetic-images, synthetic-tokens, synthetic-tokens-varlen, ...")
+@click.option(
+    "--dataset",
+    default="synthetic-images",
+    help="digits, synthetic-images, synthetic-tokens, synthetic-tokens-varlen, ...",
+)
 @click.option("--scheme", default="asgd", type=click.Choice(list(SCHEMES)), help="Consistency scheme.")
 @click.option("--workers", default=2, type=click.IntRange(min=1))
 @click.option("--shards", default=2, type=click.IntRange(min=1))
