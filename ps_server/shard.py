@@ -424,7 +424,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: shard_pb2.RestoreRunRequest, context: grpc.ServicerContext
     ) -> shard_pb2.RestoreRunResponse:
         run, rule = self._run(request.run_id)
+        if request.WhichOneof("cut") is None:
+            raise Invalid("RestoreRun needs a cut: a step to go back to, or keep")
         check_workers(run, request.live_workers, "live workers")
+        if request.membership_epoch > len(run.workers):  # as SetMembership
+            raise Invalid(f"membership epoch {request.membership_epoch} is beyond the run's {len(run.workers)} workers")
         if request.epoch < run.restore_epoch:
             raise Invalid(f"restore epoch {request.epoch} is older than the run's {run.restore_epoch}")
         with self._lock:

@@ -8,8 +8,8 @@ health checks run by this module: there is no systemd to time them), trains a sh
 asgd run from the host, which must reach the accuracy that a local cluster reaches with the same
 settings, exports a model, and goes down. The secured cluster (docker-compose.tls.yml) then has a
 shard container restarted mid-run: it takes the run back from the checkpoint on its state volume,
-and the cluster trains again. Afterwards no container, network, volume, mount or process of the
-test is left. Skipped (one line) where podman is missing or cannot run: it needs root.
+the run goes on to complete, and the cluster trains again. Afterwards no container, network,
+volume, mount or process of the test is left. Skipped (one line) where podman is missing or cannot run: it needs root.
 """
 
 from __future__ import annotations
@@ -471,10 +471,11 @@ def test_the_secured_cluster_takes_a_restarted_shards_run_back_from_its_volume(p
             if train.poll() is None:
                 train.kill()
                 train.wait()
-        # Workers do not wait out a shard's restart yet (README): the run may have failed; either
-        # way the shard took it back from its volume when it started again.
+        # The workers waited for the shard, which took the run back from its volume, and every
+        # shard went back to their newest common checkpoint.
         summary = json.loads((out / "summary.json").read_text())
         print(f"the run across the restart: {summary['state']} {summary['message']}")
+        assert summary["state"] == "completed" and summary["shard_restores"] == 1, summary
         _wait_healthy(podman, container)  # not `up` again: compose would recreate every container
         shard_log = _compose(podman, files, "logs", "--no-color", "shard-0", project_dir=project).stdout
         restored = [line for line in shard_log.splitlines() if f"run {summary['run_id']} restored from" in line]

@@ -55,6 +55,10 @@ def _kill_and_restart(cluster: LocalCluster, client: Client, run_id: str, at_ste
     cluster.restart_shard(shard)
 
 
+def _log(cluster: LocalCluster) -> str:
+    return (cluster.log_dir / "coordinator.log").read_text()
+
+
 def _exported(client: Client, run_id: str) -> dict[str, torch.Tensor]:
     return client.export_state_dict(run_id)
 
@@ -87,8 +91,7 @@ def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    log = (cluster.log_dir / "coordinator.log").read_text()
-    assert "every shard went back to step" in log
+    assert "every shard went back to step" in _log(cluster)
 
 
 def test_a_run_without_checkpoints_fails_with_the_reason_when_its_shard_comes_back_empty(cluster, tmp_path):
@@ -111,6 +114,12 @@ def test_each_scheme_survives_a_shard_kill_at_a_random_moment_and_reaches_its_ac
         _kill_and_restart(cluster, client, run_id, at_step=at, shard=random.Random().randrange(2))
         summary = follow(client, run_id, tmp_path, show_progress=False)
         status = client.run(run_id).run
+    went = [
+        line.split("restarted; ", 1)[1]
+        for line in _log(cluster).splitlines()
+        if run_id in line and "restarted;" in line
+    ]
+    print(f"\n{scheme}: killed at step {at}: {'; '.join(went)}; accuracy {summary['final_test_accuracy']}")
     assert summary["state"] == "completed", summary
     assert status.restores == 1
     assert summary["final_test_accuracy"] >= 0.95, summary

@@ -261,6 +261,31 @@ def test_a_bad_membership_is_rejected_and_changes_nothing(shards_only, epoch, li
             _rejected(lambda: _push(stub, run_id, worker, 1, _part(p, payload=_values(p, 1.0))), PRECONDITION, "live")
 
 
+@pytest.mark.parametrize(
+    "fields, code, words",
+    [
+        (dict(), INVALID, "needs a cut"),
+        (dict(keep=True, live_workers=[999]), INVALID, "not workers of run"),
+        (dict(keep=True, membership_epoch=2**32 - 1), INVALID, "beyond"),
+        (dict(step=4), PRECONDITION, "no state dir"),
+        (dict(run_id="no-such-run", keep=True), grpc.StatusCode.NOT_FOUND, "unknown run"),
+    ],
+    ids=["no cut", "stranger", "absurd membership epoch", "no checkpoints", "unknown run"],
+)
+def test_a_bad_restore_is_refused_and_changes_nothing(shards_only, fields, code, words):
+    """RestoreRun is the coordinator's after a shard restarted; refused, it leaves the run served
+    as it was, at its restore epoch."""
+    tensors = {"w": torch.randn(64)}
+    with _joined(shards_only.address, _spec(), tensors) as (run_id, (worker,), placement):
+        (p,) = placement.parts
+        with _shard(placement.shards[p.shard]) as stub:
+            request = shard_pb2.RestoreRunRequest(**{"run_id": run_id, "epoch": 1, **fields})
+            _rejected(lambda: stub.RestoreRun(request, timeout=10), code, words)
+            listed = stub.ListCheckpoints(shard_pb2.ListCheckpointsRequest(run_id=run_id), timeout=10)
+            assert (listed.restore_epoch, listed.restored, list(listed.checkpoints)) == (0, False, [])
+            assert _push(stub, run_id, worker, 0, _part(p, payload=_values(p, 1.0))).applied
+
+
 # --- 6. OpenRun -------------------------------------------------------------------------------------------
 
 
