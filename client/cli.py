@@ -259,6 +259,13 @@ def _local_tls_option(fn: F) -> F:
     help="Shards with a --state-dir checkpoint the run every N steps (100) or seconds (10s).",
 )
 @_local_tls_option
+@click.option(
+    "--resume",
+    metavar="RUN",
+    default=None,
+    help="Take up the failed or stopped run RUN again, on the cluster that ran it (--coordinator), from its "
+    "newest step checkpointed on every shard (sync, asgd, ssp); it keeps its own spec (run options are ignored).",
+)
 @one_line_errors
 def train(
     coordinator: str | None,
@@ -275,6 +282,7 @@ def train(
     no_progress: bool,
     checkpoint_every: tuple[int, float] | None,
     tls: bool,
+    resume: str | None,
     **options: Any,
 ) -> None:
     """Train one run and print its summary; writes summary.json and metrics.jsonl."""
@@ -283,6 +291,19 @@ def train(
         raise click.UsageError("give exactly one of --local or --coordinator HOST:PORT (or GRADPS_COORDINATOR)")
     if tls and not local:
         raise click.UsageError(_TLS_NOT_LOCAL)
+    if resume is not None:
+        if local:
+            raise click.UsageError(
+                "--resume takes up a run on the cluster that ran it (--coordinator): --local keeps none"
+            )
+        assert coordinator is not None
+        with Client(coordinator) as client:
+            client.resume(resume)
+            summary = _follow(client, resume, out, no_progress, tensorboard)
+        print_summary(summary)
+        if summary["state"] != "completed":
+            raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
+        return
     spec = build_spec(scheme, workers, **options)
     if checkpoint_every:
         spec.checkpoint_every_steps, spec.checkpoint_every_seconds = checkpoint_every
@@ -326,12 +347,16 @@ def _train_on(
                 "they join (Ctrl-C stops it)",
                 err=True,
             )
-        run_id = client.submit(spec)
-        out_dir = out or Path("runs") / run_id
-        board = tensorboard / run_id if tensorboard is not None else None
-        summary = follow(client, run_id, out_dir, show_progress=not no_progress, tensorboard=board)
-        click.echo(f"wrote {out_dir / 'summary.json'} and {out_dir / 'metrics.jsonl'}", err=True)
-        return summary
+        return _follow(client, client.submit(spec), out, no_progress, tensorboard)
+
+
+def _follow(client: Client, run_id: str, out: Path | None, no_progress: bool, tensorboard: Path | None) -> dict:
+    """Follow a run to its end with a progress display; its summary, also written to `out`."""
+    out_dir = out or Path("runs") / run_id
+    board = tensorboard / run_id if tensorboard is not None else None
+    summary = follow(client, run_id, out_dir, show_progress=not no_progress, tensorboard=board)
+    click.echo(f"wrote {out_dir / 'summary.json'} and {out_dir / 'metrics.jsonl'}", err=True)
+    return summary
 
 
 @cli.command(context_settings=_CONTEXT)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
 import secrets
 import signal
@@ -23,6 +25,8 @@ from gradps.netem import EmulatedNetwork, Layout
 # Each shard and worker is a process with its own torch (~300 MiB): a typo such as --workers 4000
 # must not fork the machine to a halt.
 MAX_PROCESSES = 256
+# In the state dir: the shards' ports, for the next cluster on it.
+_SHARD_PORTS = "shard-ports.json"
 
 
 def own_certs(folder: Path, hosts: Sequence[str] = ()) -> Path:
@@ -246,8 +250,15 @@ class LocalCluster:
         )
         self.address = f"{self.host_address(host)}:{self._port(port_file, self.coordinator)}"
         self._remember(self.address)
-        for i in range(self.n_shards):
-            self.add_shard(i)
+        for i, port in enumerate(self._kept_shard_ports()):
+            try:
+                self.add_shard(i, port)
+            except GradpsError:
+                if not port:
+                    raise
+                self.shards.pop()  # its port is taken now: its runs cannot be taken up again
+                self.add_shard(i)
+        self._keep_shard_ports()
         for i in range(self.n_workers):
             self.add_worker(i)
         with Client(self.address) as client:
@@ -284,6 +295,21 @@ class LocalCluster:
         self._remember(f"{address}:{port}")
         self.shard_ports[i : i + 1] = [port]
         return p
+
+    def _kept_shard_ports(self) -> list[int]:
+        """The ports the shards had when the cluster last ran on this state dir (0: any free one):
+        a run's placement names its shards by address, so a run of that cluster can go on (or be
+        resumed) only with its shards where they were."""
+        kept: list[int] = []
+        if self.state_dir is not None:
+            with contextlib.suppress(OSError, ValueError):
+                kept = [int(p) for p in json.loads((self.state_dir / _SHARD_PORTS).read_text())]
+        return (kept + [0] * self.n_shards)[: self.n_shards]
+
+    def _keep_shard_ports(self) -> None:
+        if self.state_dir is not None:
+            with contextlib.suppress(OSError):
+                (self.state_dir / _SHARD_PORTS).write_text(json.dumps(self.shard_ports))
 
     def restart_shard(self, i: int) -> subprocess.Popen:
         """Start shard `i` again after it exited (killed, say), at its address: with a state dir,

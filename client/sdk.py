@@ -120,6 +120,12 @@ class Client:
         """Stop a run."""
         self._call("StopRun", cpb.StopRunRequest(run_id=run_id))
 
+    def resume(self, run_id: str) -> None:
+        """Take up a failed or stopped run again from its newest step checkpointed on every shard
+        (sync, asgd, ssp; the shards need a state dir and the run --checkpoint-every): it waits for
+        free workers as a new run does."""
+        self._call("ResumeRun", cpb.ResumeRunRequest(run_id=run_id))
+
     def delete(self, run_id: str) -> None:
         """Delete an ended run (its status, metrics and the parameters its shards keep); a
         pending or running run is refused (FAILED_PRECONDITION): stop it first."""

@@ -67,9 +67,9 @@ class Trainer:
         self.report_every = max(1, report_every)
         # Only parameters live on the shards; models with buffers keep them local.
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
-        placement = session.placement(assignment.run_id, tensor_specs(self.params), total_steps)
+        placed = session.placed(assignment.run_id, tensor_specs(self.params), total_steps)
         self.client = ParameterClient(
-            placement,
+            placed.placement,
             assignment.run_id,
             session.worker_id,
             self.spec.codec,
@@ -78,7 +78,9 @@ class Trainer:
         )
         replica = Replica(model, self.params, self.client, self.spec, assignment, total_steps)
         self.scheme = WORKER_SCHEMES[self.spec.scheme](replica)
-        self.steps_done = 0
+        # 0, or the step a resumed run's shards went back to.
+        self.steps_done = placed.start_step
+        self.client.restore_epoch = placed.restore_epoch
         self.samples = 0
         self._loss_sum = 0.0
         self._loss_n = 0
@@ -90,6 +92,8 @@ class Trainer:
         self._series = metrics.WorkerSeries(self.spec.scheme, self.spec.codec, self.spec.pull_codec, transport)
         self._step_began = 0.0
         self._seek = seek
+        if self.steps_done and seek is not None:
+            seek(self.steps_done)
 
     def start(self) -> None:
         """Upload this replica's initial weights (first upload wins) and take the global ones."""

@@ -151,6 +151,11 @@ class WorkerSession:
 
     def placement(self, run_id: str, tensors: list[tensor_pb2.TensorSpec], total_steps: int) -> shard_pb2.Placement:
         """The run's placement table (the first worker's call creates it)."""
+        return self.placed(run_id, tensors, total_steps).placement
+
+    def placed(self, run_id: str, tensors: list[tensor_pb2.TensorSpec], total_steps: int) -> cpb.GetPlacementResponse:
+        """The run's placement table, and where this worker starts (a resumed run's step and the
+        run's restore epoch)."""
         r = self._stub.GetPlacement(
             cpb.GetPlacementRequest(run_id=run_id, tensors=tensors, total_steps=total_steps), timeout=60
         )
@@ -158,7 +163,7 @@ class WorkerSession:
             for address in r.placement.shards:
                 remember(address, self._own_token)
                 self._remembered.add(address)
-        return r.placement
+        return r
 
     def report(self, run_id: str, metrics: cpb.Metrics) -> None:
         """Send metrics; raise RunAbandoned when the coordinator says the run is over for us."""

@@ -139,6 +139,7 @@ def take(run: RunState, rule: ShardRule, shard_id: str, sequence: int, open_dige
             "parts": parts,
             "membership_epoch": run.membership_epoch,
             "restore_epoch": run.restore_epoch,
+            "workers": sorted(run.workers),
             "live_workers": sorted(run.live_workers),
             "applied": [[w, step, tau] for w, steps in run.applied.items() for step, tau in steps.items()],
             "pushes": run.pushes,
@@ -419,6 +420,8 @@ def _restore_parts(run: RunState, entries: list[dict[str, Any]], saved: Saved) -
 def _restore_run(run: RunState, fields: dict[str, Any]) -> None:
     run.membership_epoch = int(fields["membership_epoch"])
     run.restore_epoch = int(fields.get("restore_epoch", 0))  # absent before restores existed
+    if "workers" in fields:  # a resumed run's, not those OpenRun named
+        run.workers = frozenset(int(w) for w in fields["workers"])
     live = {int(w) for w in fields["live_workers"]}
     if not live <= run.workers:
         raise ValueError(f"live workers {sorted(live - run.workers)} are not the run's")

@@ -54,7 +54,7 @@ from ps_server.coordinator_limits import (
     check_spec,
     shown,
 )
-from ps_server.recovery import Restart, recover
+from ps_server.recovery import Restart, recover, resume
 from ps_server.run_store import RunStore, StoreError
 
 _LOGGER = logging.getLogger("gradps.coordinator")
@@ -86,6 +86,8 @@ _WORKER_IDS_RESERVED = "worker_ids_reserved"
 # running (they train on against the shards, and heartbeat with their ids once it answers: gRPC's
 # reconnect backoff may take a few seconds); one silent for longer is declared dead as usual.
 _REJOIN_GRACE_TIMEOUTS = 5
+# Schemes whose state is on the shards only, so that new workers can take a run of them up again.
+RESUMABLE = ("sync", "asgd", "ssp")
 # Why such a run fails when none of them came back.
 RESTARTED_MESSAGE = (
     "coordinator restarted while the run was running, and none of its workers came back; "
@@ -134,8 +136,10 @@ class RunRecord:
     history_stored: bool = False
     # Was running when the coordinator restarted, and no worker has reported since.
     awaiting_workers: bool = False
-    # Times the run went back to a checkpoint after a shard restarted (ShardService.RestoreRun).
-    restore_epoch: int = 0
+    # Resumed (ResumeRun): its shards go back to a common checkpoint when its new workers ask for
+    # the placement; the step they start from then.
+    resuming: bool = False
+    start_step: int = 0
     # One recovery at a time.
     recovery_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -247,6 +251,36 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._end(record, cpb.RUN_STATE_STOPPED, "stopped by a client")
         return cpb.StopRunResponse()
 
+    def ResumeRun(self, request: cpb.ResumeRunRequest, context: grpc.ServicerContext) -> cpb.ResumeRunResponse:
+        with self._cond:
+            record = self._record(request.run_id)
+            status = record.status
+            if status.state not in (cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED):
+                raise NotNow(f"run {record.run_id} is {_state_name(record)}: only a failed or stopped run resumes")
+            if status.spec.scheme not in RESUMABLE:
+                raise NotNow(
+                    f"a {status.spec.scheme} run keeps its model on its workers, which are gone: it cannot resume "
+                    f"(resumable: {', '.join(RESUMABLE)})"
+                )
+            if status.spec.script:
+                raise NotNow(f"run {record.run_id}'s workers were the script {status.spec.script}: launch it again")
+            if record.placement is None or not record.opened_on_shards:
+                raise NotNow(f"run {record.run_id} has no state on the shards to resume from: submit it again")
+            status.state, status.message, status.pending_reason = cpb.RUN_STATE_PENDING, "", ""
+            status.started_at = status.finished_at = 0.0
+            del status.workers[:], status.dead_workers[:]
+            record.latest.clear()
+            record.done.clear()
+            record.live.clear()
+            record.epoch, record.resuming = 0, True
+            # A watcher follows the run from here: the events before it ended are history.
+            record.events, record.history_stored = [], False
+            self._pending[record.run_id] = record
+            self._event(record)
+            _LOGGER.info("run %s resumed: waiting for workers", record.run_id, extra={"run_id": record.run_id})
+            self._schedule()
+        return cpb.ResumeRunResponse()
+
     def DeleteRun(self, request: cpb.DeleteRunRequest, context: grpc.ServicerContext) -> cpb.DeleteRunResponse:
         with self._cond:
             record = self._record(request.run_id)
@@ -305,7 +339,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         # Message by message, shard after shard (no lock held): one large part, or one batch of
         # small ones, in memory at a time.
         pull = shard_pb2.PullRequest(
-            run_id=record.run_id, worker_id=_EXPORTER_ID, wait_ms=_EXPORT_WAIT_MS, restore_epoch=record.restore_epoch
+            run_id=record.run_id,
+            worker_id=_EXPORTER_ID,
+            wait_ms=_EXPORT_WAIT_MS,
+            restore_epoch=record.status.restore_epoch,
         )
         for index, address in enumerate(placement.shards):
             try:
@@ -451,7 +488,35 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     self._close_old_runs()
             elif list(record.placement.tensors) != list(request.tensors):
                 raise Invalid("tensors differ from those the run's first worker registered (same model and seed?)")
-        return cpb.GetPlacementResponse(placement=record.placement)
+            elif record.resuming:
+                self._resume_on_shards(record)
+        return cpb.GetPlacementResponse(
+            placement=record.placement, start_step=record.start_step, restore_epoch=record.status.restore_epoch
+        )
+
+    def _resume_on_shards(self, record: RunRecord) -> None:
+        """A resumed run's first worker asks for its placement: its shards go back to their newest
+        common checkpoint with the new workers (placement lock held, not the coordinator's)."""
+        placement = record.placement
+        assert placement is not None
+        with self._cond:
+            workers = tuple(record.status.workers)
+        shards = tuple(sorted({placement.shards[p.shard] for p in placement.parts}))
+        outcome = resume(record.run_id, shards, workers, record.status.restore_epoch)
+        with self._cond:
+            if outcome.error:
+                self._end(record, cpb.RUN_STATE_FAILED, f"cannot resume: {outcome.error}")
+                raise NotNow(f"run {record.run_id} cannot resume: {outcome.error}")
+            assert outcome.step is not None
+            record.resuming, record.status.restore_epoch, record.start_step = False, outcome.restore_epoch, outcome.step
+            self._event(record)
+        _LOGGER.warning(
+            "run %s resumed at step %d on workers %s",
+            record.run_id,
+            outcome.step,
+            list(workers),
+            extra={"run_id": record.run_id},
+        )
 
     def ReportMetrics(
         self, request: cpb.ReportMetricsRequest, context: grpc.ServicerContext
@@ -523,8 +588,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 latest=stored.latest,
                 opened_on_shards=stored.opened_on_shards,
                 history_stored=True,
-                # Each restore of a scheme that goes back together took the next epoch.
-                restore_epoch=stored.status.restores if get_scheme(stored.status.spec.scheme).common_cut else 0,
             )
             for stored in stored_runs
         ]
@@ -624,7 +687,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     shards=tuple(sorted({placement.shards[p.shard] for p in placement.parts})),
                     restarted=address,
                     common_cut=get_scheme(record.status.spec.scheme).common_cut,
-                    restore_epoch=record.restore_epoch,
+                    restore_epoch=record.status.restore_epoch,
                     live_workers=tuple(sorted(record.live)),
                     membership_epoch=record.epoch,
                 )
@@ -636,7 +699,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     _LOGGER.error("run %s: %s", record.run_id, outcome.error, extra={"run_id": record.run_id})
                     self._end(record, cpb.RUN_STATE_FAILED, outcome.error)
                 elif outcome.step is not None:
-                    record.restore_epoch = outcome.restore_epoch
+                    record.status.restore_epoch = outcome.restore_epoch
                     record.status.rolled_back_steps += max(0, outcome.reached - outcome.step)
                     record.status.restores += 1
                     self._event(record)

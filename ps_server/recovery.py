@@ -85,27 +85,51 @@ def _go_back_together(restart: Restart, listed: shard_pb2.ListCheckpointsRespons
     """Every shard of the run back to the newest step each has a checkpoint of, at a new epoch."""
     try:
         listings = [listed] + [
-            _call(address, "ListCheckpoints", shard_pb2.ListCheckpointsRequest(run_id=restart.run_id))
-            for address in restart.shards
-            if address != restart.restarted
+            _listing(address, restart.run_id) for address in restart.shards if address != restart.restarted
         ]
     except grpc.RpcError as e:
         return Outcome(error=f"a shard of the run could not list its checkpoints: {_reason(e)}")
+    request = _restore(restart, restart.restore_epoch + 1)
+    # The restarted shard last: a worker it tells to go back finds the others gone back already.
+    order = sorted(restart.shards, key=lambda a: a == restart.restarted)
+    return _to_common_step(request, order, listings, f"(shard {restart.restarted} restarted)")
+
+
+def resume(run_id: str, shards: tuple[str, ...], workers: tuple[int, ...], restore_epoch: int) -> Outcome:
+    """A failed or stopped run taken up by new `workers`: every shard back to the newest step
+    checkpointed on all of them, at a new epoch, with `workers` as the run's."""
+    try:
+        listings = [_listing(address, run_id) for address in shards]
+    except grpc.RpcError as e:
+        return Outcome(error=f"a shard of the run could not list its checkpoints: {_reason(e)}")
+    request = shard_pb2.RestoreRunRequest(
+        run_id=run_id, epoch=restore_epoch + 1, workers=workers, live_workers=workers, membership_epoch=0
+    )
+    return _to_common_step(request, list(shards), listings, "to resume from")
+
+
+def _to_common_step(
+    request: shard_pb2.RestoreRunRequest,
+    shards: list[str],
+    listings: list[shard_pb2.ListCheckpointsResponse],
+    why: str,
+) -> Outcome:
+    """`request` (its epoch and membership) with the newest step that every one of `listings`
+    has a checkpoint of, sent to `shards` in turn."""
     common = set.intersection(*(set(_steps(listing)) for listing in listings))
     if not common:
-        return Outcome(
-            error=f"no step has a checkpoint on every shard of the run (shard {restart.restarted} restarted)"
-        )
-    cut, epoch = max(common), restart.restore_epoch + 1
-    request = _restore(restart, epoch)
-    request.step = cut
-    # The restarted shard last: a worker it tells to go back finds the others gone back already.
-    for address in sorted(restart.shards, key=lambda a: a == restart.restarted):
+        return Outcome(error=f"no step has a checkpoint on every shard of the run {why}")
+    request.step = max(common)
+    for address in shards:
         try:
             _call(address, "RestoreRun", request)
         except grpc.RpcError as e:
-            return Outcome(error=f"shard {address} could not go back to step {cut}: {_reason(e)}")
-    return Outcome(cut, epoch, reached=max(listing.step for listing in listings))
+            return Outcome(error=f"shard {address} could not go back to step {request.step}: {_reason(e)}")
+    return Outcome(request.step, request.epoch, reached=max(listing.step for listing in listings))
+
+
+def _listing(address: str, run_id: str) -> shard_pb2.ListCheckpointsResponse:
+    return _call(address, "ListCheckpoints", shard_pb2.ListCheckpointsRequest(run_id=run_id))
 
 
 def _restore(restart: Restart, epoch: int) -> shard_pb2.RestoreRunRequest:

@@ -75,6 +75,22 @@ def check_epoch(run: RunState, epoch: int) -> None:
         raise Unavailable(f"run {run.run_id!r} is not yet restored to epoch {epoch} on this shard")
 
 
+def check_restore(run: RunState, request: shard_pb2.RestoreRunRequest) -> frozenset[int]:
+    """Invalid unless a RestoreRun is usable for `run`; the run's workers after it."""
+    if request.WhichOneof("cut") is None:
+        raise Invalid("RestoreRun needs a cut: a step to go back to, or keep")
+    workers = frozenset(request.workers) or run.workers
+    if len(workers) != len(request.workers or run.workers):
+        raise Invalid(f"worker ids repeat: {list(request.workers)}")
+    if strangers := sorted(set(request.live_workers) - workers):
+        raise Invalid(f"live workers {strangers} are not workers of run {run.run_id!r}")
+    if request.membership_epoch > len(workers):  # as SetMembership
+        raise Invalid(f"membership epoch {request.membership_epoch} is beyond the run's {len(workers)} workers")
+    if request.epoch < run.restore_epoch:
+        raise Invalid(f"restore epoch {request.epoch} is older than the run's {run.restore_epoch}")
+    return workers
+
+
 def check_workers(run: RunState, ids: Iterable[int], what: str) -> None:
     """Invalid unless every one of `ids` (a membership, a group) is a worker of the run."""
     if strangers := sorted(set(ids) - run.workers):

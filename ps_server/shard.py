@@ -75,7 +75,15 @@ from ps_server.received import (
     expected_parts,
     receive,
 )
-from ps_server.run_checks import check_epoch, check_open_run, check_part, check_step, check_workers, opened_by
+from ps_server.run_checks import (
+    check_epoch,
+    check_open_run,
+    check_part,
+    check_restore,
+    check_step,
+    check_workers,
+    opened_by,
+)
 from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes import ShardRule, open_run
 from ps_server.waiting import call_wait
@@ -424,13 +432,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: shard_pb2.RestoreRunRequest, context: grpc.ServicerContext
     ) -> shard_pb2.RestoreRunResponse:
         run, rule = self._run(request.run_id)
-        if request.WhichOneof("cut") is None:
-            raise Invalid("RestoreRun needs a cut: a step to go back to, or keep")
-        check_workers(run, request.live_workers, "live workers")
-        if request.membership_epoch > len(run.workers):  # as SetMembership
-            raise Invalid(f"membership epoch {request.membership_epoch} is beyond the run's {len(run.workers)} workers")
-        if request.epoch < run.restore_epoch:
-            raise Invalid(f"restore epoch {request.epoch} is older than the run's {run.restore_epoch}")
+        workers = check_restore(run, request)
         with self._lock:
             saving = self._saving.get(request.run_id)
         if request.HasField("step"):
@@ -445,11 +447,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             elif not here:
                 run, rule = self._go_back(run, rule, saving, request.step, request.epoch)
         with run.cond:
+            if request.workers:  # resumed: new workers, the old ones' membership forgotten
+                run.workers, run.membership_epoch = workers, 0
             if request.membership_epoch >= run.membership_epoch:
                 run.membership_epoch = request.membership_epoch
                 run.set_live_workers(set(request.live_workers))
                 rule.membership_changed()
-            run.held = False
+            run.held = run.ended = False
             run.cond.notify_all()
             step = rule.step()
         _LOGGER.info(

@@ -63,6 +63,7 @@ ADMIN_RPCS = {
         "GetRun",
         "ListRuns",
         "StopRun",
+        "ResumeRun",
         "DeleteRun",
         "WatchRun",
         "GetCluster",

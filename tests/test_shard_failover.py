@@ -4,7 +4,10 @@ real files; the test kills and restarts the shard."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import torch
 
 from client.local_cluster import LocalCluster
 from client.report import follow
-from client.sdk import Client
+from client.sdk import Client, GradpsError
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
 
@@ -125,3 +128,55 @@ def test_each_scheme_survives_a_shard_kill_at_a_random_moment_and_reaches_its_ac
     assert summary["final_test_accuracy"] >= 0.95, summary
     if scheme == "sync":
         assert status.rolled_back_steps <= 2 * CHECKPOINT_EVERY
+
+
+def test_a_cluster_stopped_mid_run_and_started_again_resumes_the_run_to_the_same_weights(tmp_path):
+    """The whole local cluster stops (SIGTERM, workers first) in the middle of a sync run; a new
+    one on the same state dir takes the run back, failed, and `gradps train --resume` takes it up
+    from the newest step checkpointed on both shards: it ends with the weights of a run left
+    alone, bit for bit."""
+    state, steps = tmp_path / "state", 600
+    with LocalCluster(shards=2, workers=2, state_dir=state, log_dir=tmp_path / "logs-1") as first:
+        with Client(first.address) as client:
+            alone = client.submit(_spec("sync", steps))
+            assert follow(client, alone, tmp_path / "alone", show_progress=False)["state"] == "completed"
+            expected = _exported(client, alone)
+            stopped = client.submit(_spec("sync", steps))
+            _wait_for_step(client, stopped, 100)
+    with LocalCluster(shards=2, workers=2, state_dir=state, log_dir=tmp_path / "logs-2") as second:
+        assert second.shard_ports == first.shard_ports  # where the run's placement names them
+        with Client(second.address) as client:
+            deadline = time.monotonic() + 60
+            while (state_now := client.run(stopped).run.state) not in (cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED):
+                assert time.monotonic() < deadline, cpb.RunState.Name(state_now)
+                time.sleep(0.1)
+            resumed = subprocess.run(
+                [sys.executable, "-m", "client.cli", "train", "--coordinator", second.address, "--resume", stopped]
+                + ["--no-progress", "--out", str(tmp_path / "resumed")],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert resumed.returncode == 0, resumed.stderr[-2000:]
+            summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+            assert summary["state"] == "completed" and summary["steps"] == steps, summary
+            got = _exported(client, stopped)
+            with pytest.raises(GradpsError, match="only a failed or stopped run resumes"):
+                client.resume(stopped)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    assert "resumed at step" in (tmp_path / "logs-2" / "coordinator.log").read_text()
+
+
+def test_a_run_that_cannot_resume_says_why_in_one_line(cluster):
+    with Client(cluster.address) as client:
+        with pytest.raises(GradpsError, match="NOT_FOUND"):
+            client.resume("no-such-run")
+        wagma = client.submit(_spec("wagma", 100_000))
+        _wait_for_step(client, wagma, 5)
+        with pytest.raises(GradpsError, match="only a failed or stopped run resumes"):
+            client.resume(wagma)
+        client.stop(wagma)
+        with pytest.raises(GradpsError, match="keeps its model on its workers") as refused:
+            client.resume(wagma)
+        assert "\n" not in str(refused.value)

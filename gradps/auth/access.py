@@ -39,6 +39,7 @@ _ADMIN_CALLS = {
         "GetRun",
         "ListRuns",
         "StopRun",
+        "ResumeRun",
         "DeleteRun",
         "WatchRun",
         "GetCluster",

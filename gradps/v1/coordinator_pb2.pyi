@@ -66,7 +66,7 @@ class Metrics(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., weights_digest: _Optional[bytes] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason", "restores", "rolled_back_steps")
+    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason", "restores", "rolled_back_steps", "restore_epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class RunStatus(_message.Message):
     PENDING_REASON_FIELD_NUMBER: _ClassVar[int]
     RESTORES_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec: _run_pb2.RunSpec
     state: RunState
@@ -95,7 +96,8 @@ class RunStatus(_message.Message):
     pending_reason: str
     restores: int
     rolled_back_steps: int
-    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ..., restores: _Optional[int] = ..., rolled_back_steps: _Optional[int] = ...) -> None: ...
+    restore_epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ..., restores: _Optional[int] = ..., rolled_back_steps: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("spec",)
@@ -140,6 +142,16 @@ class StopRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StopRunResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ResumeRunResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
@@ -332,10 +344,14 @@ class GetPlacementRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
-    __slots__ = ("placement",)
+    __slots__ = ("placement", "start_step", "restore_epoch")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     placement: _shard_pb2.Placement
-    def __init__(self, placement: _Optional[_Union[_shard_pb2.Placement, _Mapping]] = ...) -> None: ...
+    start_step: int
+    restore_epoch: int
+    def __init__(self, placement: _Optional[_Union[_shard_pb2.Placement, _Mapping]] = ..., start_step: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class ReportMetricsRequest(_message.Message):
     __slots__ = ("run_id", "metrics")

@@ -55,6 +55,11 @@ class CoordinatorServiceStub:
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_coordinator__pb2.StopRunResponse.FromString,
                 _registered_method=True)
+        self.ResumeRun = channel.unary_unary(
+                '/gradps.v1.CoordinatorService/ResumeRun',
+                request_serializer=gradps_dot_v1_dot_coordinator__pb2.ResumeRunRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_coordinator__pb2.ResumeRunResponse.FromString,
+                _registered_method=True)
         self.DeleteRun = channel.unary_unary(
                 '/gradps.v1.CoordinatorService/DeleteRun',
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.DeleteRunRequest.SerializeToString,
@@ -147,6 +152,18 @@ class CoordinatorServiceServicer:
 
     def StopRun(self, request, context):
         """Client: stop a run; its workers return to the idle pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeRun(self, request, context):
+        """Admin: take up a failed or stopped run again, as it was at its newest step checkpointed on
+        every shard (also after the whole cluster restarted, with state dirs): it waits for free
+        workers as a new run does, its shards go back to that step, and its new workers start there
+        with that step's data position; WatchRun shows its events from the resume on. sync, asgd
+        and ssp (wagma and pseudosync keep their models on the workers). NOT_FOUND for an unknown run; FAILED_PRECONDITION for one that is pending,
+        running or completed, was never placed, whose shards freed it, or of another scheme.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,6 +293,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.StopRun,
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.StopRunRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_coordinator__pb2.StopRunResponse.SerializeToString,
+            ),
+            'ResumeRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeRun,
+                    request_deserializer=gradps_dot_v1_dot_coordinator__pb2.ResumeRunRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_coordinator__pb2.ResumeRunResponse.SerializeToString,
             ),
             'DeleteRun': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteRun,
@@ -447,6 +469,33 @@ class CoordinatorService:
             '/gradps.v1.CoordinatorService/StopRun',
             gradps_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
             gradps_dot_v1_dot_coordinator__pb2.StopRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.CoordinatorService/ResumeRun',
+            gradps_dot_v1_dot_coordinator__pb2.ResumeRunRequest.SerializeToString,
+            gradps_dot_v1_dot_coordinator__pb2.ResumeRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

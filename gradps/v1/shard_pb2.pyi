@@ -367,20 +367,22 @@ class ListCheckpointsResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., restored: _Optional[bool] = ..., step: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class RestoreRunRequest(_message.Message):
-    __slots__ = ("run_id", "epoch", "step", "keep", "live_workers", "membership_epoch")
+    __slots__ = ("run_id", "epoch", "step", "keep", "live_workers", "membership_epoch", "workers")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     epoch: int
     step: int
     keep: bool
     live_workers: _containers.RepeatedScalarFieldContainer[int]
     membership_epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., keep: _Optional[bool] = ..., live_workers: _Optional[_Iterable[int]] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., keep: _Optional[bool] = ..., live_workers: _Optional[_Iterable[int]] = ..., membership_epoch: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RestoreRunResponse(_message.Message):
     __slots__ = ("step",)

@@ -270,7 +270,8 @@ class ShardServiceServicer:
         `gradps-rolled-back: <epoch>,<step>` (go back to `step`, and call with `epoch`), and one of
         a newer epoch UNAVAILABLE until this shard is restored to it. Without `step` (`keep`), the
         state is kept as it is (the schemes that need no common step). Either way the membership is
-        set to `live_workers` and the run is served again. FAILED_PRECONDITION when no checkpoint
+        set to `live_workers` and the run is served again (also one that had ended: a resumed run,
+        which comes with its new `workers`). FAILED_PRECONDITION when no checkpoint
         at `step` reads back whole; an epoch older than the run's is INVALID_ARGUMENT; the same
         request again is OK.
         """
