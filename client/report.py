@@ -62,6 +62,7 @@ def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dic
         "mean_staleness": run_figures.mean_staleness(latest) or 0.0,
         "max_staleness": max((m.staleness_max for m in latest), default=0),
         "wait_fraction": run_figures.wait_fraction(latest) or 0.0,
+        "joins": run.joins,
         "shard_restores": run.restores,
         "rolled_back_steps": run.rolled_back_steps,
     }
@@ -159,14 +160,15 @@ def follow(
 
 
 class _Notices:
-    """One line above the progress bar when a run starts, when a worker of it dies, and when it
-    went on from its checkpoints after a shard restarted."""
+    """One line above the progress bar when a run starts, when a worker of it dies or a new one
+    joins in a lost one's rank, and when it went on from its checkpoints after a shard restarted."""
 
     def __init__(self, console: Console, run: cpb.RunStatus) -> None:
         self.console = console
         self.started = run.state != cpb.RUN_STATE_PENDING
         self.dead = set(run.dead_workers)
         self.restores, self.rolled_back = run.restores, run.rolled_back_steps
+        self.workers = list(run.workers)
 
     def update(self, run: cpb.RunStatus) -> None:
         if not self.started and run.state == cpb.RUN_STATE_RUNNING:
@@ -180,6 +182,11 @@ class _Notices:
             self.console.print(
                 f"[yellow]worker {worker_id} died at step {step} (no heartbeat); {live} of {len(run.workers)} go on"
             )
+        for rank, worker_id in enumerate(run.workers):
+            if rank < len(self.workers) and self.workers[rank] != worker_id and worker_id not in self.dead:
+                step = max((m.step for m in run.latest), default=0)
+                self.console.print(f"[green]worker {worker_id} joined in rank {rank}, near step {step}")
+        self.workers = list(run.workers)
         if run.restores > self.restores:
             again = run.rolled_back_steps - self.rolled_back
             self.restores, self.rolled_back = run.restores, run.rolled_back_steps
@@ -233,12 +240,17 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     if s["message"]:
         row("reason" if s["state"] != "completed" else "note", s["message"])
     row("run", f"{s['scheme']}, {s['model']} on {s['dataset']}, codec {s['codec']}")
-    dead = f" ({len(s['dead_workers'])} died: {', '.join(map(str, s['dead_workers']))})" if s["dead_workers"] else ""
+    joined = f"; {s['joins']} joined" if s.get("joins") else ""
+    dead = (
+        f" ({len(s['dead_workers'])} died: {', '.join(map(str, s['dead_workers']))}{joined})"
+        if s["dead_workers"]
+        else ""
+    )
     row("cluster", f"{_count(s['workers'], 'worker')}{dead}, {_count(s['shards'], 'shard')}")
     row("steps", f"{s['steps']:,} of {s['total_steps']:,}" if s["total_steps"] else f"{s['steps']:,}")
     if s.get("shard_restores"):
         again = f", {s['rolled_back_steps']:,} steps done again" if s["rolled_back_steps"] else ""
-        row("restarts", f"{_count(s['shard_restores'], 'shard restart')} recovered from checkpoints{again}")
+        row("restarts", f"{_count(s['shard_restores'], 'shard restart')}{again}")
     if s["steps"]:
         row("time", f"{s['wall_seconds']:.1f} s")
         rates = s["samples_per_second_by_rank"]

@@ -18,6 +18,10 @@ from gradps.v1 import run_pb2, tensor_pb2
 MAX_WORKERS = 4096
 # Steps per worker (about 10^12): far beyond any run, and within every uint64 step counter.
 MAX_STEPS = 2**40
+# A run's membership changes (a worker lost, a new one in a lost one's rank) at most this many
+# times per worker: the coordinator gives no lost rank to a new worker beyond it, and a shard
+# refuses a larger epoch, which would lock every later change out.
+MEMBERSHIP_CHANGES_PER_WORKER = 32
 # Passes over the data: steps derived from epochs (workers resolve them) stay within uint64.
 MAX_EPOCHS = 1e6
 # THE defaults of a run, listed in proto/gradps/v1/run.proto's header: the coordinator fills them

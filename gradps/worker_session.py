@@ -157,7 +157,8 @@ class WorkerSession:
         """The run's placement table, and where this worker starts (a resumed run's step and the
         run's restore epoch)."""
         r = self._stub.GetPlacement(
-            cpb.GetPlacementRequest(run_id=run_id, tensors=tensors, total_steps=total_steps), timeout=60
+            cpb.GetPlacementRequest(run_id=run_id, tensors=tensors, total_steps=total_steps, worker_id=self.worker_id),
+            timeout=60,
         )
         if self._own_token:  # the shards admit this worker's calls with its own token only
             for address in r.placement.shards:

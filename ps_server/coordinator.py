@@ -40,7 +40,7 @@ from gradps.channel import (
 from gradps.errors import Ended, Invalid, NotFound, NotNow, PermissionDenied, TooLarge, Unavailable
 from gradps.logs import configure_logging, log_options
 from gradps.placement import place
-from gradps.run_spec import validate, with_defaults
+from gradps.run_spec import MEMBERSHIP_CHANGES_PER_WORKER, validate, with_defaults
 from gradps.schemes import get_scheme
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
@@ -140,6 +140,8 @@ class RunRecord:
     # the placement; the step they start from then.
     resuming: bool = False
     start_step: int = 0
+    # Workers that took a lost worker's rank while the run was running.
+    joined: set[int] = field(default_factory=set)
     # One recovery at a time.
     recovery_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -490,9 +492,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 raise Invalid("tensors differ from those the run's first worker registered (same model and seed?)")
             elif record.resuming:
                 self._resume_on_shards(record)
-        return cpb.GetPlacementResponse(
-            placement=record.placement, start_step=record.start_step, restore_epoch=record.status.restore_epoch
-        )
+        with self._cond:
+            return cpb.GetPlacementResponse(
+                placement=record.placement,
+                start_step=self._start_step(record, worker if worker is not None else request.worker_id),
+                restore_epoch=record.status.restore_epoch,
+            )
+
+    def _start_step(self, record: RunRecord, worker_id: int) -> int:
+        """Where a worker of the run starts: a resumed run's step; for one that joined the running
+        run, the furthest step its live workers reported."""
+        if worker_id in record.joined:
+            return max((m.step for w, m in record.latest.items() if w in record.live), default=record.start_step)
+        return record.start_step
 
     def _resume_on_shards(self, record: RunRecord) -> None:
         """A resumed run's first worker asks for its placement: its shards go back to their newest
@@ -739,6 +751,54 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 holder = record.run_id
                 busy = live - len(self._idle)
                 self._wait(record, "busy", f"needs {_count(need, 'worker')}; {free} idle, {busy} busy in other runs")
+        if not holder:
+            self._refill()
+
+    def _refill(self) -> None:
+        """Give idle workers the ranks that running runs lost (schemes whose state is on the
+        shards): a new worker takes a dead one's rank and enters with the current model."""
+        for record in list(self._runs.values()):
+            spec = record.status.spec
+            lost = [r for r, w in enumerate(record.status.workers) if w not in record.live and w not in record.done]
+            changes_left = MEMBERSHIP_CHANGES_PER_WORKER * len(record.status.workers) - record.epoch
+            joinable = spec.scheme in RESUMABLE and not spec.script and record.placement is not None
+            if record.status.state != cpb.RUN_STATE_RUNNING or not joinable or record.done:
+                continue
+            for rank in lost[: max(0, min(len(self._idle), changes_left - len(record.status.workers)))]:
+                self._join(record, rank, min(self._idle))
+
+    def _join(self, record: RunRecord, rank: int, worker_id: int) -> None:
+        """`worker_id` (idle) takes rank `rank` of the running run: the shards hear the new members."""
+        self._idle.discard(worker_id)
+        worker = self._workers[worker_id]
+        worker.run_id = record.run_id
+        lost = record.status.workers[rank]
+        record.status.workers[rank] = worker_id
+        record.latest.pop(lost, None)  # its rank's figures are the new worker's from now on
+        record.live.add(worker_id)
+        record.joined.add(worker_id)
+        record.epoch += 1
+        record.status.joins += 1
+        self._store.save_workers(record.run_id, [(worker_id, worker.name, worker.device)])
+        self._to_shards(
+            record,
+            "SetMembership",
+            shard_pb2.SetMembershipRequest(
+                run_id=record.run_id,
+                epoch=record.epoch,
+                live_workers=sorted(record.live),
+                workers=record.status.workers,
+            ),
+        )
+        self._event(record)
+        _LOGGER.warning(
+            "run %s: worker %d joins in rank %d (worker %d's)",
+            record.run_id,
+            worker_id,
+            rank,
+            lost,
+            extra={"run_id": record.run_id},
+        )
 
     def _wait(self, record: RunRecord, waiting_for: str, reason: str) -> None:
         record.status.pending_reason = reason

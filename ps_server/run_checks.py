@@ -9,6 +9,7 @@ from gradps.channel import MAX_PART_BYTES
 from gradps.errors import Invalid, NotFound, RolledBack, Unavailable, one_line
 from gradps.optimizer import validate as validate_optimizer
 from gradps.placement import PartKey, dtype_name
+from gradps.run_spec import MEMBERSHIP_CHANGES_PER_WORKER
 from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
 from ps_server.run_state import Part, RunState
 from ps_server.schemes import RULES
@@ -84,11 +85,29 @@ def check_restore(run: RunState, request: shard_pb2.RestoreRunRequest) -> frozen
         raise Invalid(f"worker ids repeat: {list(request.workers)}")
     if strangers := sorted(set(request.live_workers) - workers):
         raise Invalid(f"live workers {strangers} are not workers of run {run.run_id!r}")
-    if request.membership_epoch > len(workers):  # as SetMembership
-        raise Invalid(f"membership epoch {request.membership_epoch} is beyond the run's {len(workers)} workers")
+    _check_membership_epoch(request.membership_epoch, len(workers))
     if request.epoch < run.restore_epoch:
         raise Invalid(f"restore epoch {request.epoch} is older than the run's {run.restore_epoch}")
     return workers
+
+
+def check_membership(run: RunState, request: shard_pb2.SetMembershipRequest) -> frozenset[int]:
+    """Invalid unless a SetMembership is usable for `run`; the run's workers after it."""
+    workers = frozenset(request.workers) or run.workers
+    if len(workers) != len(request.workers or run.workers):
+        raise Invalid(f"worker ids repeat: {list(request.workers)}")
+    if strangers := sorted(set(request.live_workers) - workers):
+        raise Invalid(f"workers {strangers} are not workers of run {run.run_id!r}")
+    _check_membership_epoch(request.epoch, len(workers))
+    return workers
+
+
+def _check_membership_epoch(epoch: int, workers: int) -> None:
+    if epoch > MEMBERSHIP_CHANGES_PER_WORKER * workers:
+        raise Invalid(
+            f"membership epoch {epoch} is beyond the {MEMBERSHIP_CHANGES_PER_WORKER * workers} changes "
+            f"a run of {workers} workers can have"
+        )
 
 
 def check_workers(run: RunState, ids: Iterable[int], what: str) -> None:

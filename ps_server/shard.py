@@ -77,6 +77,7 @@ from ps_server.received import (
 )
 from ps_server.run_checks import (
     check_epoch,
+    check_membership,
     check_open_run,
     check_part,
     check_restore,
@@ -202,15 +203,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: shard_pb2.SetMembershipRequest, context: grpc.ServicerContext
     ) -> shard_pb2.SetMembershipResponse:
         run, rule = self._run(request.run_id)
-        check_workers(run, request.live_workers, "workers")
-        # The coordinator counts one epoch per worker that leaves (the live set only shrinks): a
-        # run of N workers has at most N. A larger one would lock every later change out.
-        if request.epoch > len(run.workers):
-            n = len(run.workers)
-            raise Invalid(f"membership epoch {request.epoch} is beyond the {n} changes a run of {n} workers can have")
+        workers = check_membership(run, request)
         with run.cond:
             if request.epoch > run.membership_epoch:
                 run.membership_epoch = request.epoch
+                run.workers = workers
                 run.set_live_workers(set(request.live_workers))
                 rule.membership_changed()
                 run.cond.notify_all()

@@ -384,7 +384,7 @@ def standing():
             poll = cpb.GetAssignmentRequest(worker_id=member, wait_ms=10_000)
             assert stub.GetAssignment(poll, metadata=_as(member_token), timeout=20).run_id == run_id
             tensors = tensor_specs({"w": torch.zeros(64)})
-            asked = cpb.GetPlacementRequest(run_id=run_id, tensors=tensors, total_steps=1000)
+            asked = cpb.GetPlacementRequest(run_id=run_id, tensors=tensors, total_steps=1000, worker_id=member)
             placement = stub.GetPlacement(asked, metadata=_as(member_token), timeout=60).placement
         (part,) = placement.parts
         register = shard_pb2.RegisterTensorsRequest(run_id=run_id, part_count=1, part=_tensor_part(part, 1.0))
@@ -452,7 +452,9 @@ def test_a_worker_token_touches_no_run_it_is_not_a_worker_of(standing):
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         mine = _as(run.outsider_token)
         # Another run's placement is neither read nor defined (the first caller's tensors define it).
-        placement = cpb.GetPlacementRequest(run_id=run.run_id, tensors=tensor_specs({"x": torch.zeros(3)}))
+        placement = cpb.GetPlacementRequest(
+            run_id=run.run_id, tensors=tensor_specs({"x": torch.zeros(3)}), worker_id=me
+        )
         details = _refused(
             grpc.StatusCode.PERMISSION_DENIED, lambda: stub.GetPlacement(placement, metadata=mine, timeout=10)
         )

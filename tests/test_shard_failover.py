@@ -180,3 +180,27 @@ def test_a_run_that_cannot_resume_says_why_in_one_line(cluster):
         with pytest.raises(GradpsError, match="keeps its model on its workers") as refused:
             client.resume(wagma)
         assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "scheme", ["sync", pytest.param("asgd", marks=pytest.mark.slow), pytest.param("ssp", marks=pytest.mark.slow)]
+)
+def test_a_new_worker_takes_the_rank_of_a_killed_one_and_the_run_ends_with_every_rank(cluster, scheme, tmp_path):
+    steps = 600
+    with Client(cluster.address) as client:
+        run_id = client.submit(_spec(scheme, steps))
+        _wait_for_step(client, run_id, 60)
+        victim_id = client.run(run_id).run.workers[1]
+        name = next(w.name for w in client.cluster().workers if w.worker_id == victim_id)
+        victim = cluster.workers[int(name.rsplit("-", 1)[1])]
+        victim.kill()
+        victim.wait()
+        cluster.add_worker(len(cluster.workers))
+        summary = follow(client, run_id, tmp_path, show_progress=False)
+        status = client.run(run_id).run
+    assert summary["state"] == "completed", summary
+    assert summary["dead_workers"] == [victim_id]
+    assert status.joins == 1 and victim_id not in status.workers and len(status.workers) == 2
+    done = [m for m in status.latest if m.done]
+    assert sorted(m.rank for m in done) == [0, 1] and all(m.step == steps for m in done), done
+    assert summary["final_test_accuracy"] >= 0.9, summary

@@ -252,7 +252,7 @@ class Run {
   async start() {
     // GetPlacement: the first caller's tensors define the table (every tensor float32).
     const tensors = this.tensors.map((t) => ({ name: t.name, shape: t.shape, dtype: 'DTYPE_FLOAT32' }));
-    const r = await this.w.call('GetPlacement', { run_id: this.runId, tensors, total_steps: this.steps }, 60);
+    const r = await this.w.call('GetPlacement', { run_id: this.runId, tensors, total_steps: this.steps, worker_id: this.w.workerId }, 60);
     this.placement = r.placement;
     this.shards = this.placement.shards.map((address) => new this.w.pkg.ShardService(address, this.w.args.credentials));
     this.partsOf = this.placement.shards.map(() => []);

@@ -33,6 +33,9 @@ _WORKER_CALLS = {
         "GroupAverage",
     },
 }
+# Calls whose worker_id may be left out (0) by a client that predates it: not bound to the token
+# by the interceptor; the handler takes the token's worker where there is one.
+_OPTIONAL_WORKER_ID = {"GetPlacement"}
 _ADMIN_CALLS = {
     "CoordinatorService": {
         "SubmitRun",
@@ -68,6 +71,8 @@ class Rule:
 
 def _worker_field(method: Any) -> tuple[int, ...]:
     fields = method.input_type.fields_by_name
+    if method.name in _OPTIONAL_WORKER_ID:
+        return ()
     if "worker_id" in fields:
         return (fields["worker_id"].number,)
     if "metrics" in fields:  # ReportMetrics: the report names its worker

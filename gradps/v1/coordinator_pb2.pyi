@@ -66,7 +66,7 @@ class Metrics(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., weights_digest: _Optional[bytes] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason", "restores", "rolled_back_steps", "restore_epoch")
+    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason", "restores", "rolled_back_steps", "restore_epoch", "joins")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class RunStatus(_message.Message):
     RESTORES_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    JOINS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec: _run_pb2.RunSpec
     state: RunState
@@ -97,7 +98,8 @@ class RunStatus(_message.Message):
     restores: int
     rolled_back_steps: int
     restore_epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ..., restores: _Optional[int] = ..., rolled_back_steps: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
+    joins: int
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ..., restores: _Optional[int] = ..., rolled_back_steps: _Optional[int] = ..., restore_epoch: _Optional[int] = ..., joins: _Optional[int] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("spec",)
@@ -334,14 +336,16 @@ class GetAssignmentResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., rank: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
-    __slots__ = ("run_id", "tensors", "total_steps")
+    __slots__ = ("run_id", "tensors", "total_steps", "worker_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
     total_steps: int
-    def __init__(self, run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    worker_id: int
+    def __init__(self, run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., total_steps: _Optional[int] = ..., worker_id: _Optional[int] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
     __slots__ = ("placement", "start_step", "restore_epoch")

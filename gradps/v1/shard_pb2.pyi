@@ -75,14 +75,16 @@ class EndRunResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SetMembershipRequest(_message.Message):
-    __slots__ = ("run_id", "epoch", "live_workers")
+    __slots__ = ("run_id", "epoch", "live_workers", "workers")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     epoch: int
     live_workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SetMembershipResponse(_message.Message):
     __slots__ = ()

@@ -144,9 +144,9 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetMembership(self, request, context):
-        """Coordinator -> shard: the live workers of a run changed (a worker died). INVALID_ARGUMENT for
-        a worker that is not one of the run's, or an epoch beyond the run's worker count (one epoch
-        per worker lost).
+        """Coordinator -> shard: the live workers of a run changed (a worker died, or a new one took a
+        lost one's rank: `workers`). INVALID_ARGUMENT for a worker that is not one of the run's, or
+        an epoch beyond 32 changes per worker of the run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
