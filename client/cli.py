@@ -1,4 +1,4 @@
-"""The `gradps` command line: train, launch, up, status, runs, stop, delete, export, compare and bench."""
+"""The `gradps` command line: train, launch, up, status, runs, checkpoint, stop, delete, export, compare and bench."""
 
 from __future__ import annotations
 
@@ -571,6 +571,21 @@ def stop(run_id: str, coordinator: str) -> None:
     with Client(coordinator) as client:
         client.stop(run_id)
     click.echo(f"stopped {run_id}")
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("run_id")
+@_coordinator_option
+@one_line_errors
+def checkpoint(run_id: str, coordinator: str) -> None:
+    """Have every shard of a run write a checkpoint of it now (shards with a --state-dir)."""
+    with Client(coordinator, timeout_s=600) as client:  # a large model's checkpoint takes a while
+        written = client.checkpoint(run_id)
+    for c in written:
+        click.echo(
+            f"shard {c.shard}: checkpoint {c.sequence} at step {c.step}, "
+            f"{c.bytes / 1e6:.1f} MB in {c.write_seconds:.2f} s"
+        )
 
 
 @cli.command(context_settings=_CONTEXT)

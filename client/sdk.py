@@ -120,6 +120,10 @@ class Client:
         """Stop a run."""
         self._call("StopRun", cpb.StopRunRequest(run_id=run_id))
 
+    def checkpoint(self, run_id: str) -> list[cpb.ShardCheckpoint]:
+        """Every shard of the run writes a checkpoint of it now; each shard's, once on disk."""
+        return list(self._call("TakeCheckpoint", cpb.TakeCheckpointRequest(run_id=run_id)).checkpoints)
+
     def resume(self, run_id: str) -> None:
         """Take up a failed or stopped run again from its newest step checkpointed on every shard
         (sync, asgd, ssp; the shards need a state dir and the run --checkpoint-every): it waits for

@@ -42,6 +42,9 @@ _ATTEMPTS = 3
 # The longest pause between calls made again while a shard does not answer (it may be restarting;
 # channels reconnect at least this often, gradps.channel).
 _MAX_PAUSE_S = 1.0
+# A shard that is down or starting (UNAVAILABLE), or stopping: a server shutting down cancels the
+# calls in flight (CANCELLED; a worker never cancels its own), and a cancelled call applied nothing.
+_NOT_ANSWERING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
 # Takes one received part: (metadata, the call's inbound route, bytes that came with it); returns
@@ -177,8 +180,8 @@ class ShardLink:
         """`call` through the route, made again inline when the route broke under it, after the
         `retry` codes (a call whose outcome the worker cannot see: the shard applies what a call
         carries whole or not at all, and a push once, so making it again is safe), and while the
-        shard does not answer, for up to `timeout_s` (UNAVAILABLE: it restarts, or its run is
-        being restored; a shared segment it has lost is mapped again). RolledBack when the run
+        shard does not answer, for up to `timeout_s` (UNAVAILABLE or CANCELLED: it stops, restarts,
+        or its run is being restored; a shared segment it has lost is mapped again). RolledBack when the run
         went back to a checkpoint meanwhile."""
         give_up = time.monotonic() + self.timeout_s
         attempt = waits = 0  # calls that failed for another reason; UNAVAILABLE answers waited out
@@ -190,7 +193,7 @@ class ShardLink:
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.DATA_LOSS
                 if isinstance(e, grpc.RpcError) and (rolled := RolledBack.of(e, self._ids[0])) is not None:
                     raise rolled from None
-                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < give_up:
+                if code in _NOT_ANSWERING and time.monotonic() < give_up:
                     waits += 1
                     time.sleep(min(_MAX_PAUSE_S, 0.1 * 2**waits))
                     continue

@@ -68,6 +68,8 @@ _KEEP_ENDED_RUNS = 8
 # timeouts, and at most this many workers: then they are forgotten.
 _FORGET_AFTER_TIMEOUTS = 12
 _KEEP_DEAD_WORKERS = 256
+# TakeCheckpoint: how long one shard's checkpoint may take.
+_CHECKPOINT_WAIT_S = 600.0
 # ExportRun: how long a shard may take to have every part initialised.
 _EXPORT_WAIT_MS = 10_000
 # ... and the worker id its pulls carry: no worker's (DC-ASGD remembers what each worker pulled).
@@ -355,6 +357,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                         yield out
             except grpc.RpcError as e:
                 raise Unavailable(f"shard {index} at {address}: {e.code().name}: {e.details()}") from None
+
+    def TakeCheckpoint(
+        self, request: cpb.TakeCheckpointRequest, context: grpc.ServicerContext
+    ) -> cpb.TakeCheckpointResponse:
+        with self._cond:
+            record = self._record(request.run_id)
+            placement = record.placement
+        if placement is None or not record.opened_on_shards:
+            raise NotNow(f"run {record.run_id} is not on the shards yet (or they freed it): nothing to checkpoint")
+        answer = cpb.TakeCheckpointResponse()
+        for address in sorted({placement.shards[p.shard] for p in placement.parts}):
+            try:
+                written = self._stub(address).CheckpointRun(
+                    shard_pb2.CheckpointRunRequest(run_id=record.run_id), timeout=_CHECKPOINT_WAIT_S
+                )
+            except grpc.RpcError as e:
+                error = NotNow if e.code() == grpc.StatusCode.FAILED_PRECONDITION else Unavailable
+                raise error(f"shard {address}: {e.code().name}: {e.details()}") from None
+            answer.checkpoints.add(
+                shard=address,
+                sequence=written.sequence,
+                step=written.step,
+                bytes=written.bytes,
+                write_seconds=written.write_seconds,
+            )
+        return answer
 
     # ---- shards and workers -------------------------------------------------------------------
 

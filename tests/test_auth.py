@@ -68,6 +68,7 @@ ADMIN_RPCS = {
         "WatchRun",
         "GetCluster",
         "ExportRun",
+        "TakeCheckpoint",
     },
     "ShardService": {
         "OpenRun",

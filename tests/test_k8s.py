@@ -1182,8 +1182,10 @@ class MountedNetwork(Network):
         volumes = {v["name"]: v for v in _pod_spec(pod.workload).get("volumes", [])}
         mounts = {}
         for mount in pod.container.get("volumeMounts", []):
-            secret = volumes[mount["name"]].get("secret")
-            if secret is None:  # the coordinator's state: LocalPods gives it a folder of its own
+            # A state volume (the coordinator's claim, a shard's claim template): LocalPods gives
+            # the pod a folder of its own.
+            secret = volumes.get(mount["name"], {}).get("secret")
+            if secret is None:
                 continue
             data = self.secrets[secret["secretName"]]
             folder = self.root / pod.name / mount["mountPath"].strip("/")

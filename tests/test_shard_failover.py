@@ -110,7 +110,7 @@ def test_a_run_without_checkpoints_fails_with_the_reason_when_its_shard_comes_ba
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["sync", "asgd", "ssp", "wagma", "pseudosync"])
 def test_each_scheme_survives_a_shard_kill_at_a_random_moment_and_reaches_its_accuracy(cluster, scheme, tmp_path):
-    steps = 600
+    steps = 800  # wagma reaches 0.95-0.96 at 600 steps: too close to the target
     with Client(cluster.address) as client:
         run_id = client.submit(_spec(scheme, steps))
         at = random.Random().randint(CHECKPOINT_EVERY + 1, steps // 2)
@@ -198,9 +198,29 @@ def test_a_new_worker_takes_the_rank_of_a_killed_one_and_the_run_ends_with_every
         cluster.add_worker(len(cluster.workers))
         summary = follow(client, run_id, tmp_path, show_progress=False)
         status = client.run(run_id).run
+    print(
+        f"\n{scheme}: worker {victim_id} killed near step 60, {status.joins} joined; "
+        f"accuracy {summary['final_test_accuracy']}"
+    )
     assert summary["state"] == "completed", summary
     assert summary["dead_workers"] == [victim_id]
     assert status.joins == 1 and victim_id not in status.workers and len(status.workers) == 2
     done = [m for m in status.latest if m.done]
     assert sorted(m.rank for m in done) == [0, 1] and all(m.step == steps for m in done), done
     assert summary["final_test_accuracy"] >= 0.9, summary
+
+
+def test_gradps_checkpoint_has_every_shard_write_one_now(cluster, tmp_path):
+    with Client(cluster.address) as client:
+        run_id = client.submit(_spec("asgd", 100_000, checkpoint_every_steps=0))
+        _wait_for_step(client, run_id, 20)
+        command = [sys.executable, "-m", "client.cli", "checkpoint", "--coordinator", cluster.address]
+        done = subprocess.run([*command, run_id], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert len(lines) == 2 and all(" checkpoint 1 at step " in line for line in lines), lines
+        unknown = subprocess.run([*command, "no-such-run"], capture_output=True, text=True, timeout=120)
+        assert unknown.returncode != 0 and "NOT_FOUND" in unknown.stderr and "Traceback" not in unknown.stderr
+        client.stop(run_id)
+    folders = sorted(p.name for p in (tmp_path / "state").glob(f"shard-*/{run_id}/ckpt-*"))
+    assert folders == ["ckpt-00000001", "ckpt-00000001"], folders

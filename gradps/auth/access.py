@@ -47,6 +47,7 @@ _ADMIN_CALLS = {
         "WatchRun",
         "GetCluster",
         "ExportRun",
+        "TakeCheckpoint",
     },
     "ShardService": {
         "OpenRun",

@@ -181,6 +181,32 @@ class WatchRunResponse(_message.Message):
     metrics: Metrics
     def __init__(self, run: _Optional[_Union[RunStatus, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ...) -> None: ...
 
+class TakeCheckpointRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class TakeCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[ShardCheckpoint]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
+
+class ShardCheckpoint(_message.Message):
+    __slots__ = ("shard", "sequence", "step", "bytes", "write_seconds")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    shard: str
+    sequence: int
+    step: int
+    bytes: int
+    write_seconds: float
+    def __init__(self, shard: _Optional[str] = ..., sequence: _Optional[int] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ..., write_seconds: _Optional[float] = ...) -> None: ...
+
 class ExportRunRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

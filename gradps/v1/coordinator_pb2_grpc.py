@@ -80,6 +80,11 @@ class CoordinatorServiceStub:
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.ExportRunRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_coordinator__pb2.ExportRunResponse.FromString,
                 _registered_method=True)
+        self.TakeCheckpoint = channel.unary_unary(
+                '/gradps.v1.CoordinatorService/TakeCheckpoint',
+                request_serializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.FromString,
+                _registered_method=True)
         self.RegisterShard = channel.unary_unary(
                 '/gradps.v1.CoordinatorService/RegisterShard',
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.RegisterShardRequest.SerializeToString,
@@ -196,6 +201,16 @@ class CoordinatorServiceServicer:
         """Client: a run's current parameters, every part from every shard, relayed by the coordinator,
         which reaches the shards at the addresses they registered where a client outside the
         cluster's network (compose, Kubernetes) cannot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeCheckpoint(self, request, context):
+        """Admin: every shard of a running or ended run writes a checkpoint of it now (ShardService.
+        CheckpointRun), one shard after the other; answers once all are on disk. NOT_FOUND for an
+        unknown run; FAILED_PRECONDITION for a run not yet placed, or shards without a state dir;
+        UNAVAILABLE when a shard does not answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -318,6 +333,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.ExportRun,
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.ExportRunRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_coordinator__pb2.ExportRunResponse.SerializeToString,
+            ),
+            'TakeCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeCheckpoint,
+                    request_deserializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.SerializeToString,
             ),
             'RegisterShard': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterShard,
@@ -604,6 +624,33 @@ class CoordinatorService:
             '/gradps.v1.CoordinatorService/ExportRun',
             gradps_dot_v1_dot_coordinator__pb2.ExportRunRequest.SerializeToString,
             gradps_dot_v1_dot_coordinator__pb2.ExportRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.CoordinatorService/TakeCheckpoint',
+            gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.SerializeToString,
+            gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
