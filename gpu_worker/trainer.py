@@ -56,8 +56,8 @@ class Trainer:
         seek: Callable[[int], None] | None = None,
     ) -> None:
         """`transport`: where payloads travel (gradps.transport.TRANSPORTS, see ParameterClient).
-        `seek(step)`: puts the data where it was before step `step`, for a run that goes back to a
-        checkpoint after a shard restarted (None: the data goes on where it is)."""
+        `seek(step)`: puts the data where it was before step `step`, for a worker that starts past
+        step 0 or goes back to a checkpoint after a shard restarted (None: the data stays put)."""
         self.model = model
         self.session = session
         self.assignment = assignment
@@ -78,7 +78,7 @@ class Trainer:
         )
         replica = Replica(model, self.params, self.client, self.spec, assignment, total_steps)
         self.scheme = WORKER_SCHEMES[self.spec.scheme](replica)
-        # 0, or the step a resumed run's shards went back to.
+        # 0, the step a resumed run's shards went back to, or where a worker joining a running run enters.
         self.steps_done = placed.start_step
         self.client.restore_epoch = placed.restore_epoch
         self.samples = 0
