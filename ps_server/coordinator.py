@@ -367,7 +367,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if placement is None or not record.opened_on_shards:
             raise NotNow(f"run {record.run_id} is not on the shards yet (or they freed it): nothing to checkpoint")
         answer = cpb.TakeCheckpointResponse()
-        for address in sorted({placement.shards[p.shard] for p in placement.parts}):
+        for address in _holders(placement):
             try:
                 written = self._stub(address).CheckpointRun(
                     shard_pb2.CheckpointRunRequest(run_id=record.run_id), timeout=_CHECKPOINT_WAIT_S
@@ -541,7 +541,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         assert placement is not None
         with self._cond:
             workers = tuple(record.status.workers)
-        shards = tuple(sorted({placement.shards[p.shard] for p in placement.parts}))
+        shards = _holders(placement)
         outcome = resume(record.run_id, shards, workers, record.status.restore_epoch)
         with self._cond:
             if outcome.error:
@@ -724,7 +724,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 placement = record.placement
                 restart = Restart(
                     run_id=record.run_id,
-                    shards=tuple(sorted({placement.shards[p.shard] for p in placement.parts})),
+                    shards=_holders(placement),
                     restarted=address,
                     common_cut=get_scheme(record.status.spec.scheme).common_cut,
                     restore_epoch=record.status.restore_epoch,
@@ -1036,6 +1036,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if placed and record.status.state == cpb.RUN_STATE_RUNNING:
                 message = f"shard {shard.index} at {shard.address} has been silent for {silent_s:.0f} s"
                 self._end(record, cpb.RUN_STATE_FAILED, message)
+
+
+def _holders(placement: shard_pb2.Placement) -> tuple[str, ...]:
+    """The addresses of the shards the placement gives parts to (one without parts has no state)."""
+    return tuple(sorted({placement.shards[p.shard] for p in placement.parts}))
 
 
 def _check_steps(record: RunRecord, m: cpb.Metrics) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from gradps.channel import MAX_PART_BYTES
 from gradps.errors import Invalid, NotFound, RolledBack, Unavailable, one_line
@@ -80,12 +80,7 @@ def check_restore(run: RunState, request: shard_pb2.RestoreRunRequest) -> frozen
     """Invalid unless a RestoreRun is usable for `run`; the run's workers after it."""
     if request.WhichOneof("cut") is None:
         raise Invalid("RestoreRun needs a cut: a step to go back to, or keep")
-    workers = frozenset(request.workers) or run.workers
-    if len(workers) != len(request.workers or run.workers):
-        raise Invalid(f"worker ids repeat: {list(request.workers)}")
-    if strangers := sorted(set(request.live_workers) - workers):
-        raise Invalid(f"live workers {strangers} are not workers of run {run.run_id!r}")
-    _check_membership_epoch(request.membership_epoch, len(workers))
+    workers = _members(run, request.workers, request.live_workers, request.membership_epoch, "live workers")
     if request.epoch < run.restore_epoch:
         raise Invalid(f"restore epoch {request.epoch} is older than the run's {run.restore_epoch}")
     return workers
@@ -93,13 +88,19 @@ def check_restore(run: RunState, request: shard_pb2.RestoreRunRequest) -> frozen
 
 def check_membership(run: RunState, request: shard_pb2.SetMembershipRequest) -> frozenset[int]:
     """Invalid unless a SetMembership is usable for `run`; the run's workers after it."""
-    workers = frozenset(request.workers) or run.workers
-    if len(workers) != len(request.workers or run.workers):
-        raise Invalid(f"worker ids repeat: {list(request.workers)}")
-    if strangers := sorted(set(request.live_workers) - workers):
-        raise Invalid(f"workers {strangers} are not workers of run {run.run_id!r}")
-    _check_membership_epoch(request.epoch, len(workers))
-    return workers
+    return _members(run, request.workers, request.live_workers, request.epoch, "workers")
+
+
+def _members(run: RunState, workers: Sequence[int], live: Iterable[int], epoch: int, what: str) -> frozenset[int]:
+    """The run's workers after a membership change naming `workers` (none: they stay), checked
+    with its `live` ones and its membership `epoch`."""
+    members = frozenset(workers) or run.workers
+    if len(members) != len(workers or run.workers):
+        raise Invalid(f"worker ids repeat: {list(workers)}")
+    if strangers := sorted(set(live) - members):
+        raise Invalid(f"{what} {strangers} are not workers of run {run.run_id!r}")
+    _check_membership_epoch(epoch, len(members))
+    return members
 
 
 def _check_membership_epoch(epoch: int, workers: int) -> None:
