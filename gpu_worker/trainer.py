@@ -76,10 +76,10 @@ class Trainer:
             self.spec.pull_codec,
             transport=transport,
         )
-        replica = Replica(model, self.params, self.client, self.spec, assignment, total_steps)
-        self.scheme = WORKER_SCHEMES[self.spec.scheme](replica)
         # 0, the step a resumed run's shards went back to, or where a worker joining a running run enters.
         self.steps_done = placed.start_step
+        replica = Replica(model, self.params, self.client, self.spec, assignment, total_steps, placed.start_step)
+        self.scheme = WORKER_SCHEMES[self.spec.scheme](replica)
         self.client.restore_epoch = placed.restore_epoch
         self.samples = 0
         self._loss_sum = 0.0

@@ -140,6 +140,7 @@ def take(run: RunState, rule: ShardRule, shard_id: str, sequence: int, open_dige
             "membership_epoch": run.membership_epoch,
             "restore_epoch": run.restore_epoch,
             "workers": sorted(run.workers),
+            "ranks": sorted([w, r] for w, r in run.ranks.items()),
             "live_workers": sorted(run.live_workers),
             "applied": [[w, step, tau] for w, steps in run.applied.items() for step, tau in steps.items()],
             "pushes": run.pushes,
@@ -422,6 +423,12 @@ def _restore_run(run: RunState, fields: dict[str, Any]) -> None:
     run.restore_epoch = int(fields.get("restore_epoch", 0))  # absent before restores existed
     if "workers" in fields:  # a resumed run's, not those OpenRun named
         run.workers = frozenset(int(w) for w in fields["workers"])
+    if "ranks" in fields:  # absent before workers could join
+        run.ranks = {int(w): int(r) for w, r in fields["ranks"]}
+        if not run.workers <= run.ranks.keys():
+            raise ValueError(f"workers {sorted(run.workers - run.ranks.keys())} have no rank")
+    else:
+        run.set_workers(sorted(run.workers))
     live = {int(w) for w in fields["live_workers"]}
     if not live <= run.workers:
         raise ValueError(f"live workers {sorted(live - run.workers)} are not the run's")

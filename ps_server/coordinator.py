@@ -90,6 +90,9 @@ _WORKER_IDS_RESERVED = "worker_ids_reserved"
 _REJOIN_GRACE_TIMEOUTS = 5
 # Schemes whose state is on the shards only, so that new workers can take a run of them up again.
 RESUMABLE = ("sync", "asgd", "ssp")
+# Schemes a worker can join while they run: those whose model is on the shards, and wagma, whose
+# new worker takes the consensus of the others' models.
+JOINABLE = (*RESUMABLE, "wagma")
 # Why such a run fails when none of them came back.
 RESTARTED_MESSAGE = (
     "coordinator restarted while the run was running, and none of its workers came back; "
@@ -783,13 +786,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._refill()
 
     def _refill(self) -> None:
-        """Give idle workers the ranks that running runs lost (schemes whose state is on the
-        shards): a new worker takes a dead one's rank and enters with the current model."""
+        """Give idle workers the ranks that running runs lost (JOINABLE schemes): a new worker
+        takes a dead one's rank and enters with the current model."""
         for record in list(self._runs.values()):
             spec = record.status.spec
             lost = [r for r, w in enumerate(record.status.workers) if w not in record.live and w not in record.done]
             changes_left = MEMBERSHIP_CHANGES_PER_WORKER * len(record.status.workers) - record.epoch
-            joinable = spec.scheme in RESUMABLE and not spec.script and record.placement is not None
+            joinable = spec.scheme in JOINABLE and not spec.script and record.placement is not None
             if record.status.state != cpb.RUN_STATE_RUNNING or not joinable or record.done:
                 continue
             for rank in lost[: max(0, min(len(self._idle), changes_left - len(record.status.workers)))]:

@@ -76,31 +76,29 @@ def check_epoch(run: RunState, epoch: int) -> None:
         raise Unavailable(f"run {run.run_id!r} is not yet restored to epoch {epoch} on this shard")
 
 
-def check_restore(run: RunState, request: shard_pb2.RestoreRunRequest) -> frozenset[int]:
-    """Invalid unless a RestoreRun is usable for `run`; the run's workers after it."""
+def check_restore(run: RunState, request: shard_pb2.RestoreRunRequest) -> None:
+    """Invalid unless a RestoreRun is usable for `run`."""
     if request.WhichOneof("cut") is None:
         raise Invalid("RestoreRun needs a cut: a step to go back to, or keep")
-    workers = _members(run, request.workers, request.live_workers, request.membership_epoch, "live workers")
+    _members(run, request.workers, request.live_workers, request.membership_epoch, "live workers")
     if request.epoch < run.restore_epoch:
         raise Invalid(f"restore epoch {request.epoch} is older than the run's {run.restore_epoch}")
-    return workers
 
 
-def check_membership(run: RunState, request: shard_pb2.SetMembershipRequest) -> frozenset[int]:
-    """Invalid unless a SetMembership is usable for `run`; the run's workers after it."""
-    return _members(run, request.workers, request.live_workers, request.epoch, "workers")
+def check_membership(run: RunState, request: shard_pb2.SetMembershipRequest) -> None:
+    """Invalid unless a SetMembership is usable for `run`."""
+    _members(run, request.workers, request.live_workers, request.epoch, "workers")
 
 
-def _members(run: RunState, workers: Sequence[int], live: Iterable[int], epoch: int, what: str) -> frozenset[int]:
-    """The run's workers after a membership change naming `workers` (none: they stay), checked
-    with its `live` ones and its membership `epoch`."""
+def _members(run: RunState, workers: Sequence[int], live: Iterable[int], epoch: int, what: str) -> None:
+    """Invalid unless a membership change naming `workers` (none: they stay), with its `live`
+    ones and its membership `epoch`, is usable for `run`."""
     members = frozenset(workers) or run.workers
     if len(members) != len(workers or run.workers):
         raise Invalid(f"worker ids repeat: {list(workers)}")
     if strangers := sorted(set(live) - members):
         raise Invalid(f"{what} {strangers} are not workers of run {run.run_id!r}")
     _check_membership_epoch(epoch, len(members))
-    return members
 
 
 def _check_membership_epoch(epoch: int, workers: int) -> None:
@@ -111,10 +109,11 @@ def _check_membership_epoch(epoch: int, workers: int) -> None:
         )
 
 
-def check_workers(run: RunState, ids: Iterable[int], what: str) -> None:
-    """Invalid unless every one of `ids` (a membership, a group) is a worker of the run."""
-    if strangers := sorted(set(ids) - run.workers):
-        raise Invalid(f"{what} {strangers} are not workers of run {run.run_id!r}")
+def check_group(run: RunState, ids: Iterable[int]) -> None:
+    """Invalid unless every one of a group's `ids` is a worker the run has had (one whose rank
+    another took stands for that one, RunState.holders)."""
+    if strangers := sorted(set(ids) - run.ranks.keys()):
+        raise Invalid(f"members {strangers} are not workers of run {run.run_id!r}")
 
 
 def check_part(run: RunState, meta: tensor_pb2.TensorPart) -> Part:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +91,10 @@ class RunState:
     restored_step: int = 0
     # Taken back from a checkpoint at start-up: no worker call is served until RestoreRun.
     held: bool = False
+    # Every worker the run has had, with its rank. One that joined took the rank of one the run
+    # lost, and a group that names the lost one (as the earlier workers' groups still do) means
+    # the one that holds its rank now.
+    ranks: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def open(
@@ -123,7 +127,18 @@ class RunState:
             ),
             workers=frozenset(request.workers),
             live_workers=set(request.workers),
+            ranks={w: r for r, w in enumerate(request.workers)},
         )
+
+    def set_workers(self, workers: Sequence[int]) -> None:
+        """The run's workers, in rank order, after some joined or the run was resumed."""
+        self.workers = frozenset(workers)
+        self.ranks.update((w, r) for r, w in enumerate(workers))
+
+    def holders(self, ids: Iterable[int]) -> frozenset[int]:
+        """The workers that hold the ranks of `ids` (workers the run has had) now."""
+        now = {self.ranks[w]: w for w in self.workers}
+        return frozenset(now.get(self.ranks[i], i) for i in ids)
 
     def set_live_workers(self, live: set[int]) -> None:
         """The members changed: forget the segments of workers that left (their memory is freed

@@ -77,12 +77,12 @@ from ps_server.received import (
 )
 from ps_server.run_checks import (
     check_epoch,
+    check_group,
     check_membership,
     check_open_run,
     check_part,
     check_restore,
     check_step,
-    check_workers,
     opened_by,
 )
 from ps_server.run_state import Part, Push, RunState
@@ -203,11 +203,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: shard_pb2.SetMembershipRequest, context: grpc.ServicerContext
     ) -> shard_pb2.SetMembershipResponse:
         run, rule = self._run(request.run_id)
-        workers = check_membership(run, request)
+        check_membership(run, request)
         with run.cond:
             if request.epoch > run.membership_epoch:
                 run.membership_epoch = request.epoch
-                run.workers = workers
+                if request.workers:
+                    run.set_workers(request.workers)
                 run.set_live_workers(set(request.live_workers))
                 rule.membership_changed()
                 run.cond.notify_all()
@@ -289,8 +290,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 f"{len(missing)} missing, first {missing[0][0]}/{missing[0][1]}"
             )
         route = sending(run, header.worker_id, header, context, snapshot=False)  # checked before the round
-        members = frozenset(header.members)
         with run.cond:
+            members = run.holders(header.members)
             if run.ended:
                 raise Ended(f"run {run.run_id!r} ended: no more rounds")
             check_epoch(run, header.restore_epoch)
@@ -429,7 +430,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: shard_pb2.RestoreRunRequest, context: grpc.ServicerContext
     ) -> shard_pb2.RestoreRunResponse:
         run, rule = self._run(request.run_id)
-        workers = check_restore(run, request)
+        check_restore(run, request)
         with self._lock:
             saving = self._saving.get(request.run_id)
         if request.HasField("step"):
@@ -445,7 +446,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 run, rule = self._go_back(run, rule, saving, request.step, request.epoch)
         with run.cond:
             if request.workers:  # resumed: new workers, the old ones' membership forgotten
-                run.workers, run.membership_epoch = workers, 0
+                run.set_workers(request.workers)
+                run.membership_epoch = 0
             if request.membership_epoch >= run.membership_epoch:
                 run.membership_epoch = request.membership_epoch
                 run.set_live_workers(set(request.live_workers))
@@ -508,7 +510,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         with found[0].cond:
             check_epoch(found[0], request.restore_epoch)
         check_step(found[0], request.step)
-        check_workers(found[0], request.members, "members")
+        check_group(found[0], request.members)
         return found
 
 

@@ -139,6 +139,16 @@ def test_every_scheme_reads_back_bit_exact_and_goes_on_alike(tmp_path, case):
     assert any(p.version > 0 for p in restored[0].parts.values()) or scheme == "wagma"
 
 
+def test_the_ranks_of_a_worker_that_joined_come_back(tmp_path):
+    request = _request("r1", "wagma", SGD)
+    run, rule = _opened(request)
+    run.set_workers([WORKERS[0], 9])  # worker 9 took rank 1, worker 5's
+    run.set_live_workers({WORKERS[0], 9})
+    _, (restored, _) = _write_and_read(tmp_path, run, rule, request)
+    assert restored.workers == {WORKERS[0], 9}
+    assert restored.holders([WORKERS[0], WORKERS[1]]) == frozenset({WORKERS[0], 9})
+
+
 def test_the_files_are_safetensors_with_their_sha256_in_the_manifest(tmp_path):
     request = _request("r1", "sync", ADAM)
     run, rule = _opened(request)

@@ -183,11 +183,24 @@ def test_a_run_that_cannot_resume_says_why_in_one_line(cluster):
 
 
 @pytest.mark.parametrize(
-    "scheme", ["sync", pytest.param("asgd", marks=pytest.mark.slow), pytest.param("ssp", marks=pytest.mark.slow)]
+    "scheme",
+    [
+        "sync",
+        "wagma",
+        pytest.param("asgd", marks=pytest.mark.slow),
+        pytest.param("ssp", marks=pytest.mark.slow),
+    ],
 )
 def test_a_new_worker_takes_the_rank_of_a_killed_one_and_the_run_ends_with_every_rank(cluster, scheme, tmp_path):
     steps = 600
     with Client(cluster.address) as client:
+        # The new worker is up and idle before the run starts (on the two oldest): a run goes on
+        # without the dead worker, and could end before a worker started after the kill is up.
+        cluster.add_worker(len(cluster.workers))
+        deadline = time.monotonic() + 60
+        while len(client.cluster().workers) < 3:
+            assert time.monotonic() < deadline, "the new worker never registered"
+            time.sleep(0.1)
         run_id = client.submit(_spec(scheme, steps))
         _wait_for_step(client, run_id, 60)
         victim_id = client.run(run_id).run.workers[1]
@@ -195,7 +208,6 @@ def test_a_new_worker_takes_the_rank_of_a_killed_one_and_the_run_ends_with_every
         victim = cluster.workers[int(name.rsplit("-", 1)[1])]
         victim.kill()
         victim.wait()
-        cluster.add_worker(len(cluster.workers))
         summary = follow(client, run_id, tmp_path, show_progress=False)
         status = client.run(run_id).run
     print(

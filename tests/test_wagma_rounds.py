@@ -144,3 +144,24 @@ def test_the_consensus_averages_the_latest_models_and_changes_nothing():
     rule.run.live_workers.discard(3)
     with rule.run.cond, pytest.raises(NotNow, match="worker 3 is not a live member"):
         rule.consensus(3, [KEY])
+
+
+def test_a_group_naming_a_lost_worker_means_the_one_that_took_its_rank():
+    rule = _rule(workers=(0, 1))
+    run = rule.run
+    run.set_workers([0, 2])  # worker 2 joined in rank 1, worker 1's
+    run.set_live_workers({0, 2})
+    assert run.holders([0, 1]) == run.holders([0, 2]) == frozenset({0, 2})
+    # Worker 0 still names worker 1 in its group; worker 2 names itself: one round, fixed by the
+    # first arrival (worker 2 had not deposited), the same result for both.
+    first, _ = _deposit(rule, 0, 5, 2.0, members=run.holders([0, 1]))
+    second, _ = _deposit(rule, 2, 5, 6.0, members=run.holders([0, 2]))
+    assert first == second == pytest.approx(2.0)
+
+
+def test_a_consensus_before_any_deposit_is_the_registered_model():
+    rule = _rule(workers=(0, 1))
+    rule.run.parts[KEY].values.fill_(3.0)
+    with rule.run.cond:
+        out, _ = rule.consensus(0, [KEY])
+    assert torch.equal(out[KEY], torch.full((4,), 3.0))

@@ -23,6 +23,8 @@ class Replica:
     spec: run_pb2.RunSpec
     assignment: Assignment
     total_steps: int
+    # Where this worker starts: 0, a resumed run's step, or where it joins a running run.
+    start_step: int = 0
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The current gradient of every parameter (zeros where backward left none)."""

@@ -26,7 +26,12 @@ class WagmaWorker(WorkerScheme):
         self._consensus: torch.nn.Module | None = None  # a copy of the model, for evaluation
 
     def start(self) -> None:
-        self.client.pull(self.params)
+        """The initial weights; for a worker that joins the running run, the consensus of the
+        live workers' latest models (its rank's earlier holder's model is gone with it)."""
+        if self.replica.start_step:
+            self._take_consensus(self.params)
+        else:
+            self.client.pull(self.params)
 
     def _average(self, step: int, everyone: bool, wait: bool = False) -> tuple[dict[str, torch.Tensor], int, int]:
         """The round of `step`: this worker's group, or (`everyone`) every worker; `wait` for every
@@ -65,14 +70,17 @@ class WagmaWorker(WorkerScheme):
     def eval_model(self) -> torch.nn.Module:
         """The consensus the shards form from every worker's latest model, rather than this
         replica: what a user would deploy from the run at this point."""
-        average, _ = self.client.group_average(self.params, 0, sorted(self.ids), is_global=False, consensus=True)
         if self._consensus is None:
             self._consensus = copy.deepcopy(self.replica.model)
-        params = dict(self._consensus.named_parameters())
+        self._take_consensus(dict(self._consensus.named_parameters()))
+        return self._consensus
+
+    def _take_consensus(self, into: dict[str, torch.Tensor]) -> None:
+        """Copy into `into` the average of every live worker's latest deposit (nothing deposited)."""
+        average, _ = self.client.group_average(self.params, 0, sorted(self.ids), is_global=False, consensus=True)
         with torch.no_grad():
             for name, values in average.items():
-                params[name].copy_(values)
-        return self._consensus
+                into[name].copy_(values)
 
     def finish(self, steps_done: int) -> None:
         """The final model is the global average, for which every live worker waits; rank 0

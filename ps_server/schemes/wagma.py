@@ -145,11 +145,12 @@ class WagmaRule(ShardRule):
 
     def _fix_round(self, step: int, members: frozenset[int], keys: list[PartKey]) -> dict[PartKey, torch.Tensor]:
         """The average of each live member's latest deposit at or before `step`; members that
-        have not deposited yet, or only more than MAX_LAG steps before, are left out."""
+        have not deposited yet, or only more than MAX_LAG steps before, are left out (with none
+        left, the run's registered model: a consensus asked for before any deposit)."""
         result = {}
         for key in keys:
             deposits = (self._deposit(m, key, step) for m in sorted(members & self.run.live_workers))
-            found = [v for v in deposits if v is not None]
+            found = [v for v in deposits if v is not None] or [self.run.parts[key].values]
             total = found[0].clone()
             for values in found[1:]:
                 total.add_(values)
