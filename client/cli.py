@@ -1,4 +1,5 @@
-"""The `gradps` command line: train, launch, up, status, runs, checkpoint, stop, delete, export, compare and bench."""
+"""The `gradps` command line: train, launch, up, status, runs, checkpoint, checkpoints, stop, delete, export, compare
+and bench."""
 
 from __future__ import annotations
 
@@ -591,6 +592,30 @@ def checkpoint(run_id: str, coordinator: str) -> None:
 @cli.command(context_settings=_CONTEXT)
 @click.argument("run_id")
 @_coordinator_option
+@_json_option
+@one_line_errors
+def checkpoints(run_id: str, coordinator: str, as_json: bool) -> None:
+    """List the steps of a run checkpointed on every shard holding its parts, newest last: what
+    `export --checkpoint STEP` takes."""
+    with Client(coordinator) as client:
+        listed = client.checkpoints(run_id)
+    if as_json:
+        _print_json(run_id=run_id, checkpoints=list(listed.checkpoints), shards=list(listed.shards))
+        return
+    if not listed.checkpoints:
+        click.echo(f"run {run_id}: no step checkpointed on every shard")
+    for c in listed.checkpoints:
+        shards = ", ".join(f"{s.shard} (checkpoint {s.sequence})" for s in c.shards)
+        click.echo(f"step {c.step}: {c.bytes / 1e6:.1f} MB on {shards}")
+    if any(set(s.steps) != {c.step for c in listed.checkpoints} for s in listed.shards):
+        # asynchronous schemes: shards checkpoint at steps of their own
+        for s in listed.shards:
+            click.echo(f"  shard {s.shard} also has steps: {', '.join(str(n) for n in s.steps) or 'none'}")
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("run_id")
+@_coordinator_option
 @one_line_errors
 def delete(run_id: str, coordinator: str) -> None:
     """Delete an ended run: its status, metrics and the parameters its shards keep (stop it first)."""
@@ -604,14 +629,23 @@ def delete(run_id: str, coordinator: str) -> None:
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=output_file, help="File to write."
 )
+@click.option(
+    "--checkpoint",
+    "checkpoint_step",
+    type=click.IntRange(0, UINT64),
+    default=None,
+    metavar="STEP",
+    help="The parameters of the run's checkpoint at STEP (`gradps checkpoints RUN` lists them) instead of its "
+    "current ones.",
+)
 @_coordinator_option
 @one_line_errors
-def export(run_id: str, out: Path, coordinator: str) -> None:
+def export(run_id: str, out: Path, checkpoint_step: int | None, coordinator: str) -> None:
     """Write a run's full state_dict, assembled from all shards, with torch.save."""
     import torch
 
     with Client(coordinator) as client:
-        state = client.export_state_dict(run_id)
+        state = client.export_state_dict(run_id, checkpoint_step)
     torch.save(state, out)
     click.echo(f"wrote {out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters")
 

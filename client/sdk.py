@@ -124,6 +124,11 @@ class Client:
         """Every shard of the run writes a checkpoint of it now; each shard's, once on disk."""
         return list(self._call("TakeCheckpoint", cpb.TakeCheckpointRequest(run_id=run_id)).checkpoints)
 
+    def checkpoints(self, run_id: str) -> cpb.ListRunCheckpointsResponse:
+        """The steps every shard holding parts of the run has a checkpoint of, oldest first (what
+        `export_state_dict(checkpoint_step=...)` takes), and each shard's own steps."""
+        return self._call("ListRunCheckpoints", cpb.ListRunCheckpointsRequest(run_id=run_id))
+
     def resume(self, run_id: str) -> None:
         """Take up a failed or stopped run again from its newest step checkpointed on every shard
         (sync, asgd, ssp; the shards need a state dir and the run --checkpoint-every): it waits for
@@ -162,17 +167,18 @@ class Client:
                 raise GradpsError(f"cluster at {self.address} did not reach {shards} shards and {workers} workers")
             time.sleep(0.1)
 
-    def export_state_dict(self, run_id: str) -> dict[str, torch.Tensor]:
+    def export_state_dict(self, run_id: str, checkpoint_step: int | None = None) -> dict[str, torch.Tensor]:
         """The run's current parameters, assembled from all shards (through the coordinator), as a
-        state_dict."""
+        state_dict; with `checkpoint_step`, those of its checkpoint at that step (`checkpoints`)."""
         placement = self.run(run_id).placement
         if not placement.tensors:
             raise GradpsError(f"run {run_id} has no parameters on the shards yet")
         state = {t.name: torch.zeros(tuple(t.shape), dtype=torch.float32) for t in placement.tensors}
         flat = {name: t.view(-1) for name, t in state.items()}
         received = 0
+        request = cpb.ExportRunRequest(run_id=run_id, checkpoint_step=checkpoint_step)
         try:
-            for response in self._stub.ExportRun(cpb.ExportRunRequest(run_id=run_id), timeout=max(self.timeout_s, 300)):
+            for response in self._stub.ExportRun(request, timeout=max(self.timeout_s, 300)):
                 part = response.part
                 if part.name not in flat or part.offset + part.count > flat[part.name].numel():
                     raise GradpsError(f"run {run_id}: part {part.name}/{part.index} is not in the run's placement")

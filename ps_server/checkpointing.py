@@ -59,6 +59,8 @@ class Listed:
     step: int
     min_version: int
     max_version: int
+    # Bytes of its files.
+    nbytes: int = 0
 
 
 @dataclass
@@ -208,10 +210,29 @@ class RunCheckpoints:
         for sequence in self.sequences():
             try:
                 m = json.loads((self._path(sequence) / checkpoint.MANIFEST).read_bytes())
-                found[sequence] = Listed(sequence, int(m["step"]), int(m["min_version"]), int(m["max_version"]))
-            except (OSError, ValueError, KeyError, TypeError):
+                nbytes = sum(int(f["bytes"]) for f in m["files"].values())
+                found[sequence] = Listed(sequence, int(m["step"]), int(m["min_version"]), int(m["max_version"]), nbytes)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
         return found
+
+    def read_step(self, step: int, device: torch.device) -> RunState | None:
+        """The run as its newest checkpoint at `step` that reads back whole holds it, verified as
+        `load_step` does, for reading only: nothing here changes (not when the next checkpoint is
+        due). None when there is no checkpoint at `step`; the newest one's CheckpointError when
+        none there reads back whole."""
+        at_step = [sequence for sequence, listed in self.listing().items() if listed.step == step]
+        refused: CheckpointError | None = None
+        for sequence in reversed(at_step):
+            try:
+                snapshot = checkpoint.read(self._path(sequence), self.expected, device)
+                run, _ = checkpoint.restore(snapshot, self.request, device)
+                return run
+            except CheckpointError as e:
+                refused = refused or e
+        if refused is not None:
+            raise refused
+        return None
 
     def load_step(self, step: int, device: torch.device) -> tuple[RunState, ShardRule, Written] | None:
         """The run from its newest checkpoint at `step` that reads back whole (None: none does)."""

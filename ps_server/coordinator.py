@@ -37,7 +37,17 @@ from gradps.channel import (
     wait_for_call,
     write_port_file,
 )
-from gradps.errors import Ended, Invalid, NotFound, NotNow, PermissionDenied, TooLarge, Unavailable
+from gradps.errors import (
+    DataLost,
+    Ended,
+    GradpsError,
+    Invalid,
+    NotFound,
+    NotNow,
+    PermissionDenied,
+    TooLarge,
+    Unavailable,
+)
 from gradps.logs import configure_logging, log_options
 from gradps.placement import place
 from gradps.run_spec import MEMBERSHIP_CHANGES_PER_WORKER, validate, with_defaults
@@ -338,6 +348,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def ExportRun(
         self, request: cpb.ExportRunRequest, context: grpc.ServicerContext
     ) -> Iterator[cpb.ExportRunResponse]:
+        if request.HasField("checkpoint_step"):
+            yield from self._export_checkpoint(request.run_id, request.checkpoint_step)
+            return
         with self._cond:
             record = self._record(request.run_id)
             placement = record.placement
@@ -386,6 +399,55 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 write_seconds=written.write_seconds,
             )
         return answer
+
+    def ListRunCheckpoints(
+        self, request: cpb.ListRunCheckpointsRequest, context: grpc.ServicerContext
+    ) -> cpb.ListRunCheckpointsResponse:
+        run_id, holders = self._checkpointed(request.run_id)
+        return _common_checkpoints({address: self._shard_checkpoints(address, run_id) for address in holders})
+
+    def _export_checkpoint(self, run_id: str, step: int) -> Iterator[cpb.ExportRunResponse]:
+        """ExportRun of the run's checkpoint at `step`: every shard is asked whether it has one
+        there before any part is sent."""
+        run_id, holders = self._checkpointed(run_id)
+        with self._cond:
+            scheme = self._record(run_id).status.spec.scheme
+        if scheme not in RESUMABLE:
+            raise NotNow(
+                f"a {scheme} run keeps its model on its workers: its shards' checkpoints do not hold it "
+                "(export the run once it completed)"
+            )
+        for address in holders:
+            if step not in (steps := self._shard_checkpoints(address, run_id)):
+                has = ", ".join(str(s) for s in sorted(steps)) or "none"
+                raise NotFound(f"shard {address} has no checkpoint of run {run_id} at step {step} (its steps: {has})")
+        read = shard_pb2.ReadCheckpointRequest(run_id=run_id, step=step)
+        for address in holders:  # shard after shard, message by message, as a live export
+            try:
+                for response in self._stub(address).ReadCheckpoint(read, timeout=_CHECKPOINT_WAIT_S):
+                    for part in wire.parts_of(response):
+                        yield cpb.ExportRunResponse(part=part)
+            except grpc.RpcError as e:
+                raise _shard_refusal(address, e) from None
+
+    def _checkpointed(self, run_id: str) -> tuple[str, tuple[str, ...]]:
+        """A run whose shards may hold checkpoints of it: its id and the shards holding its parts."""
+        with self._cond:
+            record = self._record(run_id)
+            placement, opened = record.placement, record.opened_on_shards
+        if placement is None or not placement.parts:
+            raise NotNow(f"run {record.run_id} was never placed on shards: it has no checkpoints")
+        if not opened:
+            raise NotNow(f"the shards of run {record.run_id} freed it: its checkpoints are gone")
+        return record.run_id, _holders(placement)
+
+    def _shard_checkpoints(self, address: str, run_id: str) -> dict[int, shard_pb2.CheckpointInfo]:
+        """A shard's complete checkpoints of the run by step (its newest at each step)."""
+        try:
+            listed = self._stub(address).ListCheckpoints(shard_pb2.ListCheckpointsRequest(run_id=run_id), timeout=30)
+        except grpc.RpcError as e:
+            raise _shard_refusal(address, e) from None
+        return {c.step: c for c in sorted(listed.checkpoints, key=lambda c: c.sequence)}
 
     # ---- shards and workers -------------------------------------------------------------------
 
@@ -1044,6 +1106,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 def _holders(placement: shard_pb2.Placement) -> tuple[str, ...]:
     """The addresses of the shards the placement gives parts to (one without parts has no state)."""
     return tuple(sorted({placement.shards[p.shard] for p in placement.parts}))
+
+
+def _shard_refusal(address: str, e: grpc.RpcError) -> GradpsError:
+    """A shard's refusal of a call about checkpoints, as the coordinator's answer: its code where
+    it says what is missing or damaged, else UNAVAILABLE."""
+    codes: dict[grpc.StatusCode, type[GradpsError]] = {
+        grpc.StatusCode.NOT_FOUND: NotFound,
+        grpc.StatusCode.FAILED_PRECONDITION: NotNow,
+        grpc.StatusCode.DATA_LOSS: DataLost,
+    }
+    return codes.get(e.code(), Unavailable)(f"shard {address}: {e.code().name}: {e.details()}")
+
+
+def _common_checkpoints(listed: dict[str, dict[int, shard_pb2.CheckpointInfo]]) -> cpb.ListRunCheckpointsResponse:
+    """The steps every shard of `listed` (address: checkpoints by step) has, with each shard's."""
+    common = set.intersection(*(set(by_step) for by_step in listed.values())) if listed else set()
+    answer = cpb.ListRunCheckpointsResponse()
+    for step in sorted(common):
+        at = answer.checkpoints.add(step=step)
+        for address, by_step in listed.items():
+            c = by_step[step]
+            at.shards.add(shard=address, sequence=c.sequence, step=step, bytes=c.bytes)
+            at.bytes += c.bytes
+    for address, by_step in listed.items():
+        answer.shards.add(shard=address, steps=sorted(by_step))
+    return answer
 
 
 def _check_steps(record: RunRecord, m: cpb.Metrics) -> None:

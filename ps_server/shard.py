@@ -48,6 +48,7 @@ from gradps.data_stream import DataStream, StreamListener
 from gradps.device import device_option
 from gradps.errors import (
     AlreadyExists,
+    DataLost,
     Ended,
     Invalid,
     NotFound,
@@ -60,9 +61,10 @@ from gradps.errors import (
 from gradps.logs import configure_logging, log_options, set_log_context
 from gradps.placement import PartKey
 from gradps.shared_memory import Segment, SegmentError, check_name
-from gradps.transport import INLINE_IN, Item, Outbound, frame, unframe
+from gradps.transport import INLINE_IN, INLINE_OUT, Item, Outbound, frame, unframe
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.call_routes import MAX_CLAIM_S, sending
+from ps_server.checkpoint import CheckpointError
 from ps_server.checkpointing import KEEP, RunCheckpoints, ShardCheckpoints
 from ps_server.pulled import codec_name, fixed_payload, part_meta, pulled_parts
 from ps_server.received import (
@@ -417,7 +419,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             return shard_pb2.ListCheckpointsResponse(
                 checkpoints=[
                     shard_pb2.CheckpointInfo(
-                        sequence=c.sequence, step=c.step, min_version=c.min_version, max_version=c.max_version
+                        sequence=c.sequence,
+                        step=c.step,
+                        min_version=c.min_version,
+                        max_version=c.max_version,
+                        bytes=c.nbytes,
                     )
                     for c in listed
                 ],
@@ -425,6 +431,26 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 step=rule.step(),
                 restore_epoch=run.restore_epoch,
             )
+
+    def ReadCheckpoint(
+        self, request: shard_pb2.ReadCheckpointRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        run, _ = self._run(request.run_id)
+        with self._lock:
+            saving = self._saving.get(request.run_id)
+        if saving is None:
+            raise NotNow("this shard has no state dir (--state-dir): it has no checkpoints")
+        try:  # on the CPU: a copy beside the run's own state, read and sent once
+            stored = saving.read_step(request.step, torch.device("cpu"))
+        except CheckpointError as e:
+            raise DataLost(str(e)) from None
+        if stored is None:
+            steps = ", ".join(str(s) for s in sorted({c.step for c in saving.listing().values()})) or "none"
+            raise NotFound(
+                f"no checkpoint of run {run.run_id!r} at step {request.step} on this shard (its steps: {steps})"
+            )
+        items = ((part_meta(p, _NONE, p.version), p.values) for p in stored.parts.values())
+        yield from frame(shard_pb2.ReadCheckpointResponse(), items, INLINE_OUT)
 
     def RestoreRun(
         self, request: shard_pb2.RestoreRunRequest, context: grpc.ServicerContext
@@ -648,7 +674,7 @@ def add_shard_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
         servicer,
         server,
         raw_requests={"Push", "PushPull", "RegisterTensors", "GroupAverage"},
-        raw_responses={"Pull", "PushPull", "GroupAverage"},
+        raw_responses={"Pull", "PushPull", "GroupAverage", "ReadCheckpoint"},
     )
 
 

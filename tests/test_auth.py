@@ -69,6 +69,7 @@ ADMIN_RPCS = {
         "GetCluster",
         "ExportRun",
         "TakeCheckpoint",
+        "ListRunCheckpoints",
     },
     "ShardService": {
         "OpenRun",
@@ -77,6 +78,7 @@ ADMIN_RPCS = {
         "SetMembership",
         "CheckpointRun",
         "ListCheckpoints",
+        "ReadCheckpoint",
         "RestoreRun",
     },
 }

@@ -48,6 +48,7 @@ _ADMIN_CALLS = {
         "GetCluster",
         "ExportRun",
         "TakeCheckpoint",
+        "ListRunCheckpoints",
     },
     "ShardService": {
         "OpenRun",
@@ -56,6 +57,7 @@ _ADMIN_CALLS = {
         "SetMembership",
         "CheckpointRun",
         "ListCheckpoints",
+        "ReadCheckpoint",
         "RestoreRun",
     },
 }

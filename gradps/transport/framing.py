@@ -31,6 +31,7 @@ PART_FIELD = {
     "PushPullRequest": 4,
     "PushPullResponse": 2,
     "PullResponse": 1,
+    "ReadCheckpointResponse": 1,
     "RegisterTensorsRequest": 2,
     "GroupAverageRequest": 6,
     "GroupAverageResponse": 1,

@@ -27,15 +27,15 @@ from gradps.v1 import shard_pb2 as gradps_dot_v1_dot_shard__pb2
 from gradps.v1 import tensor_pb2 as gradps_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bgradps/v1/coordinator.proto\x12\tgradps.v1\x1a\x13gradps/v1/run.proto\x1a\x15gradps/v1/shard.proto\x1a\x16gradps/v1/tensor.proto\"\xd8\x02\n\x07Metrics\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x05 \x01(\x01\x12\x11\n\ttest_loss\x18\x06 \x01(\x01\x12\x0f\n\x07samples\x18\x07 \x01(\x04\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\x12\x14\n\x0c\x62ytes_pushed\x18\t \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\n \x01(\x04\x12\x15\n\rstaleness_sum\x18\x0b \x01(\x01\x12\x0e\n\x06pushes\x18\x0c \x01(\x04\x12\x15\n\rstaleness_max\x18\r \x01(\x04\x12\x0e\n\x06wait_s\x18\x0e \x01(\x01\x12\x0c\n\x04\x64one\x18\x0f \x01(\x08\x12\r\n\x05\x65rror\x18\x10 \x01(\t\x12\x13\n\x0btotal_steps\x18\x11 \x01(\x04\x12\x16\n\x0eweights_digest\x18\x12 \x01(\x0c\"\xfc\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.gradps.v1.RunSpec\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.gradps.v1.RunState\x12\x14\n\x0csubmitted_at\x18\x04 \x01(\x01\x12\x12\n\nstarted_at\x18\x05 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x06 \x01(\x01\x12\x0f\n\x07workers\x18\x07 \x03(\r\x12\x14\n\x0c\x64\x65\x61\x64_workers\x18\x08 \x03(\r\x12\"\n\x06latest\x18\t \x03(\x0b\x32\x12.gradps.v1.Metrics\x12\x13\n\x0btotal_steps\x18\n \x01(\x04\x12\x0f\n\x07message\x18\x0b \x01(\t\x12\x16\n\x0epending_reason\x18\x0c \x01(\t\x12\x10\n\x08restores\x18\r \x01(\r\x12\x19\n\x11rolled_back_steps\x18\x0e \x01(\x04\x12\x15\n\rrestore_epoch\x18\x0f \x01(\r\x12\r\n\x05joins\x18\x10 \x01(\r\"4\n\x10SubmitRunRequest\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.gradps.v1.RunSpec\"#\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\\\n\x0eGetRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.gradps.v1.RunStatus\x12\'\n\tplacement\x18\x02 \x01(\x0b\x32\x14.gradps.v1.Placement\"\x11\n\x0fListRunsRequest\"6\n\x10ListRunsResponse\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.gradps.v1.RunStatus\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x11\n\x0fStopRunResponse\"\"\n\x10ResumeRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x13\n\x11ResumeRunResponse\"\"\n\x10\x44\x65leteRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x13\n\x11\x44\x65leteRunResponse\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"Z\n\x10WatchRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.gradps.v1.RunStatus\x12#\n\x07metrics\x18\x02 \x01(\x0b\x32\x12.gradps.v1.Metrics\"\'\n\x15TakeCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"I\n\x16TakeCheckpointResponse\x12/\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1a.gradps.v1.ShardCheckpoint\"f\n\x0fShardCheckpoint\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x15\n\rwrite_seconds\x18\x05 \x01(\x01\"\"\n\x10\x45xportRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"8\n\x11\x45xportRunResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\"\x13\n\x11GetClusterRequest\"\\\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x0e\n\x06run_id\x18\x05 \x01(\t\"P\n\tShardInfo\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\"w\n\x12GetClusterResponse\x12\x0e\n\x06shards\x18\x01 \x03(\t\x12&\n\x07workers\x18\x02 \x03(\x0b\x32\x15.gradps.v1.WorkerInfo\x12)\n\x0bshard_infos\x18\x03 \x03(\x0b\x32\x14.gradps.v1.ShardInfo\"H\n\x14RegisterShardRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\"K\n\x15RegisterShardResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"I\n\x15ShardHeartbeatRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\"`\n\x16ShardHeartbeatResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nregistered\x18\x02 \x01(\x08\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"1\n\x11JoinWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\"F\n\x12JoinWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"\'\n\x12LeaveWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\r\"\x15\n\x13LeaveWorkerResponse\"5\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"1\n\x11HeartbeatResponse\x12\x0c\n\x04stop\x18\x01 \x01(\x08\x12\x0e\n\x06rejoin\x18\x02 \x01(\x08\":\n\x14GetAssignmentRequest\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"}\n\x15GetAssignmentResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.gradps.v1.RunSpec\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07workers\x18\x04 \x03(\r\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x04\"u\n\x13GetPlacementRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.gradps.v1.TensorSpec\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\x11\n\tworker_id\x18\x04 \x01(\r\"j\n\x14GetPlacementResponse\x12\'\n\tplacement\x18\x01 \x01(\x0b\x32\x14.gradps.v1.Placement\x12\x12\n\nstart_step\x18\x02 \x01(\x04\x12\x15\n\rrestore_epoch\x18\x03 \x01(\r\"K\n\x14ReportMetricsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x07metrics\x18\x02 \x01(\x0b\x32\x12.gradps.v1.Metrics\"%\n\x15ReportMetricsResponse\x12\x0c\n\x04stop\x18\x01 \x01(\x08*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x15\n\x11RUN_STATE_STOPPED\x10\x05\x32\xea\n\n\x12\x43oordinatorService\x12\x46\n\tSubmitRun\x12\x1b.gradps.v1.SubmitRunRequest\x1a\x1c.gradps.v1.SubmitRunResponse\x12=\n\x06GetRun\x12\x18.gradps.v1.GetRunRequest\x1a\x19.gradps.v1.GetRunResponse\x12\x43\n\x08ListRuns\x12\x1a.gradps.v1.ListRunsRequest\x1a\x1b.gradps.v1.ListRunsResponse\x12@\n\x07StopRun\x12\x19.gradps.v1.StopRunRequest\x1a\x1a.gradps.v1.StopRunResponse\x12\x46\n\tResumeRun\x12\x1b.gradps.v1.ResumeRunRequest\x1a\x1c.gradps.v1.ResumeRunResponse\x12\x46\n\tDeleteRun\x12\x1b.gradps.v1.DeleteRunRequest\x1a\x1c.gradps.v1.DeleteRunResponse\x12\x45\n\x08WatchRun\x12\x1a.gradps.v1.WatchRunRequest\x1a\x1b.gradps.v1.WatchRunResponse0\x01\x12I\n\nGetCluster\x12\x1c.gradps.v1.GetClusterRequest\x1a\x1d.gradps.v1.GetClusterResponse\x12H\n\tExportRun\x12\x1b.gradps.v1.ExportRunRequest\x1a\x1c.gradps.v1.ExportRunResponse0\x01\x12U\n\x0eTakeCheckpoint\x12 .gradps.v1.TakeCheckpointRequest\x1a!.gradps.v1.TakeCheckpointResponse\x12R\n\rRegisterShard\x12\x1f.gradps.v1.RegisterShardRequest\x1a .gradps.v1.RegisterShardResponse\x12U\n\x0eShardHeartbeat\x12 .gradps.v1.ShardHeartbeatRequest\x1a!.gradps.v1.ShardHeartbeatResponse\x12I\n\nJoinWorker\x12\x1c.gradps.v1.JoinWorkerRequest\x1a\x1d.gradps.v1.JoinWorkerResponse\x12L\n\x0bLeaveWorker\x12\x1d.gradps.v1.LeaveWorkerRequest\x1a\x1e.gradps.v1.LeaveWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.gradps.v1.HeartbeatRequest\x1a\x1c.gradps.v1.HeartbeatResponse\x12R\n\rGetAssignment\x12\x1f.gradps.v1.GetAssignmentRequest\x1a .gradps.v1.GetAssignmentResponse\x12O\n\x0cGetPlacement\x12\x1e.gradps.v1.GetPlacementRequest\x1a\x1f.gradps.v1.GetPlacementResponse\x12R\n\rReportMetrics\x12\x1f.gradps.v1.ReportMetricsRequest\x1a .gradps.v1.ReportMetricsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bgradps/v1/coordinator.proto\x12\tgradps.v1\x1a\x13gradps/v1/run.proto\x1a\x15gradps/v1/shard.proto\x1a\x16gradps/v1/tensor.proto\"\xd8\x02\n\x07Metrics\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x05 \x01(\x01\x12\x11\n\ttest_loss\x18\x06 \x01(\x01\x12\x0f\n\x07samples\x18\x07 \x01(\x04\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\x12\x14\n\x0c\x62ytes_pushed\x18\t \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\n \x01(\x04\x12\x15\n\rstaleness_sum\x18\x0b \x01(\x01\x12\x0e\n\x06pushes\x18\x0c \x01(\x04\x12\x15\n\rstaleness_max\x18\r \x01(\x04\x12\x0e\n\x06wait_s\x18\x0e \x01(\x01\x12\x0c\n\x04\x64one\x18\x0f \x01(\x08\x12\r\n\x05\x65rror\x18\x10 \x01(\t\x12\x13\n\x0btotal_steps\x18\x11 \x01(\x04\x12\x16\n\x0eweights_digest\x18\x12 \x01(\x0c\"\xfc\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.gradps.v1.RunSpec\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.gradps.v1.RunState\x12\x14\n\x0csubmitted_at\x18\x04 \x01(\x01\x12\x12\n\nstarted_at\x18\x05 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x06 \x01(\x01\x12\x0f\n\x07workers\x18\x07 \x03(\r\x12\x14\n\x0c\x64\x65\x61\x64_workers\x18\x08 \x03(\r\x12\"\n\x06latest\x18\t \x03(\x0b\x32\x12.gradps.v1.Metrics\x12\x13\n\x0btotal_steps\x18\n \x01(\x04\x12\x0f\n\x07message\x18\x0b \x01(\t\x12\x16\n\x0epending_reason\x18\x0c \x01(\t\x12\x10\n\x08restores\x18\r \x01(\r\x12\x19\n\x11rolled_back_steps\x18\x0e \x01(\x04\x12\x15\n\rrestore_epoch\x18\x0f \x01(\r\x12\r\n\x05joins\x18\x10 \x01(\r\"4\n\x10SubmitRunRequest\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.gradps.v1.RunSpec\"#\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\\\n\x0eGetRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.gradps.v1.RunStatus\x12\'\n\tplacement\x18\x02 \x01(\x0b\x32\x14.gradps.v1.Placement\"\x11\n\x0fListRunsRequest\"6\n\x10ListRunsResponse\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.gradps.v1.RunStatus\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x11\n\x0fStopRunResponse\"\"\n\x10ResumeRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x13\n\x11ResumeRunResponse\"\"\n\x10\x44\x65leteRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x13\n\x11\x44\x65leteRunResponse\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"Z\n\x10WatchRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.gradps.v1.RunStatus\x12#\n\x07metrics\x18\x02 \x01(\x0b\x32\x12.gradps.v1.Metrics\"\'\n\x15TakeCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"I\n\x16TakeCheckpointResponse\x12/\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1a.gradps.v1.ShardCheckpoint\"f\n\x0fShardCheckpoint\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x15\n\rwrite_seconds\x18\x05 \x01(\x01\"+\n\x19ListRunCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"|\n\x1aListRunCheckpointsResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.gradps.v1.RunCheckpoint\x12/\n\x06shards\x18\x02 \x03(\x0b\x32\x1f.gradps.v1.ShardCheckpointSteps\"X\n\rRunCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12*\n\x06shards\x18\x03 \x03(\x0b\x32\x1a.gradps.v1.ShardCheckpoint\"4\n\x14ShardCheckpointSteps\x12\r\n\x05shard\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x03(\x04\"T\n\x10\x45xportRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1c\n\x0f\x63heckpoint_step\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x12\n\x10_checkpoint_step\"8\n\x11\x45xportRunResponse\x12#\n\x04part\x18\x01 \x01(\x0b\x32\x15.gradps.v1.TensorPart\"\x13\n\x11GetClusterRequest\"\\\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x0e\n\x06run_id\x18\x05 \x01(\t\"P\n\tShardInfo\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\"w\n\x12GetClusterResponse\x12\x0e\n\x06shards\x18\x01 \x03(\t\x12&\n\x07workers\x18\x02 \x03(\x0b\x32\x15.gradps.v1.WorkerInfo\x12)\n\x0bshard_infos\x18\x03 \x03(\x0b\x32\x14.gradps.v1.ShardInfo\"H\n\x14RegisterShardRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\"K\n\x15RegisterShardResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"I\n\x15ShardHeartbeatRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\"`\n\x16ShardHeartbeatResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nregistered\x18\x02 \x01(\x08\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"1\n\x11JoinWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\"F\n\x12JoinWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"\'\n\x12LeaveWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\r\"\x15\n\x13LeaveWorkerResponse\"5\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"1\n\x11HeartbeatResponse\x12\x0c\n\x04stop\x18\x01 \x01(\x08\x12\x0e\n\x06rejoin\x18\x02 \x01(\x08\":\n\x14GetAssignmentRequest\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"}\n\x15GetAssignmentResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.gradps.v1.RunSpec\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07workers\x18\x04 \x03(\r\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x04\"u\n\x13GetPlacementRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.gradps.v1.TensorSpec\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\x11\n\tworker_id\x18\x04 \x01(\r\"j\n\x14GetPlacementResponse\x12\'\n\tplacement\x18\x01 \x01(\x0b\x32\x14.gradps.v1.Placement\x12\x12\n\nstart_step\x18\x02 \x01(\x04\x12\x15\n\rrestore_epoch\x18\x03 \x01(\r\"K\n\x14ReportMetricsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x07metrics\x18\x02 \x01(\x0b\x32\x12.gradps.v1.Metrics\"%\n\x15ReportMetricsResponse\x12\x0c\n\x04stop\x18\x01 \x01(\x08*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x15\n\x11RUN_STATE_STOPPED\x10\x05\x32\xcd\x0b\n\x12\x43oordinatorService\x12\x46\n\tSubmitRun\x12\x1b.gradps.v1.SubmitRunRequest\x1a\x1c.gradps.v1.SubmitRunResponse\x12=\n\x06GetRun\x12\x18.gradps.v1.GetRunRequest\x1a\x19.gradps.v1.GetRunResponse\x12\x43\n\x08ListRuns\x12\x1a.gradps.v1.ListRunsRequest\x1a\x1b.gradps.v1.ListRunsResponse\x12@\n\x07StopRun\x12\x19.gradps.v1.StopRunRequest\x1a\x1a.gradps.v1.StopRunResponse\x12\x46\n\tResumeRun\x12\x1b.gradps.v1.ResumeRunRequest\x1a\x1c.gradps.v1.ResumeRunResponse\x12\x46\n\tDeleteRun\x12\x1b.gradps.v1.DeleteRunRequest\x1a\x1c.gradps.v1.DeleteRunResponse\x12\x45\n\x08WatchRun\x12\x1a.gradps.v1.WatchRunRequest\x1a\x1b.gradps.v1.WatchRunResponse0\x01\x12I\n\nGetCluster\x12\x1c.gradps.v1.GetClusterRequest\x1a\x1d.gradps.v1.GetClusterResponse\x12H\n\tExportRun\x12\x1b.gradps.v1.ExportRunRequest\x1a\x1c.gradps.v1.ExportRunResponse0\x01\x12U\n\x0eTakeCheckpoint\x12 .gradps.v1.TakeCheckpointRequest\x1a!.gradps.v1.TakeCheckpointResponse\x12\x61\n\x12ListRunCheckpoints\x12$.gradps.v1.ListRunCheckpointsRequest\x1a%.gradps.v1.ListRunCheckpointsResponse\x12R\n\rRegisterShard\x12\x1f.gradps.v1.RegisterShardRequest\x1a .gradps.v1.RegisterShardResponse\x12U\n\x0eShardHeartbeat\x12 .gradps.v1.ShardHeartbeatRequest\x1a!.gradps.v1.ShardHeartbeatResponse\x12I\n\nJoinWorker\x12\x1c.gradps.v1.JoinWorkerRequest\x1a\x1d.gradps.v1.JoinWorkerResponse\x12L\n\x0bLeaveWorker\x12\x1d.gradps.v1.LeaveWorkerRequest\x1a\x1e.gradps.v1.LeaveWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.gradps.v1.HeartbeatRequest\x1a\x1c.gradps.v1.HeartbeatResponse\x12R\n\rGetAssignment\x12\x1f.gradps.v1.GetAssignmentRequest\x1a .gradps.v1.GetAssignmentResponse\x12O\n\x0cGetPlacement\x12\x1e.gradps.v1.GetPlacementRequest\x1a\x1f.gradps.v1.GetPlacementResponse\x12R\n\rReportMetrics\x12\x1f.gradps.v1.ReportMetricsRequest\x1a .gradps.v1.ReportMetricsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradps.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNSTATE']._serialized_start=3207
-  _globals['_RUNSTATE']._serialized_end=3360
+  _globals['_RUNSTATE']._serialized_start=3572
+  _globals['_RUNSTATE']._serialized_end=3725
   _globals['_METRICS']._serialized_start=111
   _globals['_METRICS']._serialized_end=455
   _globals['_RUNSTATUS']._serialized_start=458
@@ -74,50 +74,58 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TAKECHECKPOINTRESPONSE']._serialized_end=1541
   _globals['_SHARDCHECKPOINT']._serialized_start=1543
   _globals['_SHARDCHECKPOINT']._serialized_end=1645
-  _globals['_EXPORTRUNREQUEST']._serialized_start=1647
-  _globals['_EXPORTRUNREQUEST']._serialized_end=1681
-  _globals['_EXPORTRUNRESPONSE']._serialized_start=1683
-  _globals['_EXPORTRUNRESPONSE']._serialized_end=1739
-  _globals['_GETCLUSTERREQUEST']._serialized_start=1741
-  _globals['_GETCLUSTERREQUEST']._serialized_end=1760
-  _globals['_WORKERINFO']._serialized_start=1762
-  _globals['_WORKERINFO']._serialized_end=1854
-  _globals['_SHARDINFO']._serialized_start=1856
-  _globals['_SHARDINFO']._serialized_end=1936
-  _globals['_GETCLUSTERRESPONSE']._serialized_start=1938
-  _globals['_GETCLUSTERRESPONSE']._serialized_end=2057
-  _globals['_REGISTERSHARDREQUEST']._serialized_start=2059
-  _globals['_REGISTERSHARDREQUEST']._serialized_end=2131
-  _globals['_REGISTERSHARDRESPONSE']._serialized_start=2133
-  _globals['_REGISTERSHARDRESPONSE']._serialized_end=2208
-  _globals['_SHARDHEARTBEATREQUEST']._serialized_start=2210
-  _globals['_SHARDHEARTBEATREQUEST']._serialized_end=2283
-  _globals['_SHARDHEARTBEATRESPONSE']._serialized_start=2285
-  _globals['_SHARDHEARTBEATRESPONSE']._serialized_end=2381
-  _globals['_JOINWORKERREQUEST']._serialized_start=2383
-  _globals['_JOINWORKERREQUEST']._serialized_end=2432
-  _globals['_JOINWORKERRESPONSE']._serialized_start=2434
-  _globals['_JOINWORKERRESPONSE']._serialized_end=2504
-  _globals['_LEAVEWORKERREQUEST']._serialized_start=2506
-  _globals['_LEAVEWORKERREQUEST']._serialized_end=2545
-  _globals['_LEAVEWORKERRESPONSE']._serialized_start=2547
-  _globals['_LEAVEWORKERRESPONSE']._serialized_end=2568
-  _globals['_HEARTBEATREQUEST']._serialized_start=2570
-  _globals['_HEARTBEATREQUEST']._serialized_end=2623
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2625
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2674
-  _globals['_GETASSIGNMENTREQUEST']._serialized_start=2676
-  _globals['_GETASSIGNMENTREQUEST']._serialized_end=2734
-  _globals['_GETASSIGNMENTRESPONSE']._serialized_start=2736
-  _globals['_GETASSIGNMENTRESPONSE']._serialized_end=2861
-  _globals['_GETPLACEMENTREQUEST']._serialized_start=2863
-  _globals['_GETPLACEMENTREQUEST']._serialized_end=2980
-  _globals['_GETPLACEMENTRESPONSE']._serialized_start=2982
-  _globals['_GETPLACEMENTRESPONSE']._serialized_end=3088
-  _globals['_REPORTMETRICSREQUEST']._serialized_start=3090
-  _globals['_REPORTMETRICSREQUEST']._serialized_end=3165
-  _globals['_REPORTMETRICSRESPONSE']._serialized_start=3167
-  _globals['_REPORTMETRICSRESPONSE']._serialized_end=3204
-  _globals['_COORDINATORSERVICE']._serialized_start=3363
-  _globals['_COORDINATORSERVICE']._serialized_end=4749
+  _globals['_LISTRUNCHECKPOINTSREQUEST']._serialized_start=1647
+  _globals['_LISTRUNCHECKPOINTSREQUEST']._serialized_end=1690
+  _globals['_LISTRUNCHECKPOINTSRESPONSE']._serialized_start=1692
+  _globals['_LISTRUNCHECKPOINTSRESPONSE']._serialized_end=1816
+  _globals['_RUNCHECKPOINT']._serialized_start=1818
+  _globals['_RUNCHECKPOINT']._serialized_end=1906
+  _globals['_SHARDCHECKPOINTSTEPS']._serialized_start=1908
+  _globals['_SHARDCHECKPOINTSTEPS']._serialized_end=1960
+  _globals['_EXPORTRUNREQUEST']._serialized_start=1962
+  _globals['_EXPORTRUNREQUEST']._serialized_end=2046
+  _globals['_EXPORTRUNRESPONSE']._serialized_start=2048
+  _globals['_EXPORTRUNRESPONSE']._serialized_end=2104
+  _globals['_GETCLUSTERREQUEST']._serialized_start=2106
+  _globals['_GETCLUSTERREQUEST']._serialized_end=2125
+  _globals['_WORKERINFO']._serialized_start=2127
+  _globals['_WORKERINFO']._serialized_end=2219
+  _globals['_SHARDINFO']._serialized_start=2221
+  _globals['_SHARDINFO']._serialized_end=2301
+  _globals['_GETCLUSTERRESPONSE']._serialized_start=2303
+  _globals['_GETCLUSTERRESPONSE']._serialized_end=2422
+  _globals['_REGISTERSHARDREQUEST']._serialized_start=2424
+  _globals['_REGISTERSHARDREQUEST']._serialized_end=2496
+  _globals['_REGISTERSHARDRESPONSE']._serialized_start=2498
+  _globals['_REGISTERSHARDRESPONSE']._serialized_end=2573
+  _globals['_SHARDHEARTBEATREQUEST']._serialized_start=2575
+  _globals['_SHARDHEARTBEATREQUEST']._serialized_end=2648
+  _globals['_SHARDHEARTBEATRESPONSE']._serialized_start=2650
+  _globals['_SHARDHEARTBEATRESPONSE']._serialized_end=2746
+  _globals['_JOINWORKERREQUEST']._serialized_start=2748
+  _globals['_JOINWORKERREQUEST']._serialized_end=2797
+  _globals['_JOINWORKERRESPONSE']._serialized_start=2799
+  _globals['_JOINWORKERRESPONSE']._serialized_end=2869
+  _globals['_LEAVEWORKERREQUEST']._serialized_start=2871
+  _globals['_LEAVEWORKERREQUEST']._serialized_end=2910
+  _globals['_LEAVEWORKERRESPONSE']._serialized_start=2912
+  _globals['_LEAVEWORKERRESPONSE']._serialized_end=2933
+  _globals['_HEARTBEATREQUEST']._serialized_start=2935
+  _globals['_HEARTBEATREQUEST']._serialized_end=2988
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2990
+  _globals['_HEARTBEATRESPONSE']._serialized_end=3039
+  _globals['_GETASSIGNMENTREQUEST']._serialized_start=3041
+  _globals['_GETASSIGNMENTREQUEST']._serialized_end=3099
+  _globals['_GETASSIGNMENTRESPONSE']._serialized_start=3101
+  _globals['_GETASSIGNMENTRESPONSE']._serialized_end=3226
+  _globals['_GETPLACEMENTREQUEST']._serialized_start=3228
+  _globals['_GETPLACEMENTREQUEST']._serialized_end=3345
+  _globals['_GETPLACEMENTRESPONSE']._serialized_start=3347
+  _globals['_GETPLACEMENTRESPONSE']._serialized_end=3453
+  _globals['_REPORTMETRICSREQUEST']._serialized_start=3455
+  _globals['_REPORTMETRICSREQUEST']._serialized_end=3530
+  _globals['_REPORTMETRICSRESPONSE']._serialized_start=3532
+  _globals['_REPORTMETRICSRESPONSE']._serialized_end=3569
+  _globals['_COORDINATORSERVICE']._serialized_start=3728
+  _globals['_COORDINATORSERVICE']._serialized_end=5213
 # @@protoc_insertion_point(module_scope)

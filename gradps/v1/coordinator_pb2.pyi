@@ -207,11 +207,45 @@ class ShardCheckpoint(_message.Message):
     write_seconds: float
     def __init__(self, shard: _Optional[str] = ..., sequence: _Optional[int] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ..., write_seconds: _Optional[float] = ...) -> None: ...
 
-class ExportRunRequest(_message.Message):
+class ListRunCheckpointsRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ListRunCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints", "shards")
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[RunCheckpoint]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardCheckpointSteps]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[RunCheckpoint, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardCheckpointSteps, _Mapping]]] = ...) -> None: ...
+
+class RunCheckpoint(_message.Message):
+    __slots__ = ("step", "bytes", "shards")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    bytes: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardCheckpoint]
+    def __init__(self, step: _Optional[int] = ..., bytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
+
+class ShardCheckpointSteps(_message.Message):
+    __slots__ = ("shard", "steps")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    shard: str
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExportRunRequest(_message.Message):
+    __slots__ = ("run_id", "checkpoint_step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    checkpoint_step: int
+    def __init__(self, run_id: _Optional[str] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class ExportRunResponse(_message.Message):
     __slots__ = ("part",)

@@ -85,6 +85,11 @@ class CoordinatorServiceStub:
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ListRunCheckpoints = channel.unary_unary(
+                '/gradps.v1.CoordinatorService/ListRunCheckpoints',
+                request_serializer=gradps_dot_v1_dot_coordinator__pb2.ListRunCheckpointsRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_coordinator__pb2.ListRunCheckpointsResponse.FromString,
+                _registered_method=True)
         self.RegisterShard = channel.unary_unary(
                 '/gradps.v1.CoordinatorService/RegisterShard',
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.RegisterShardRequest.SerializeToString,
@@ -201,6 +206,12 @@ class CoordinatorServiceServicer:
         """Client: a run's current parameters, every part from every shard, relayed by the coordinator,
         which reaches the shards at the addresses they registered where a client outside the
         cluster's network (compose, Kubernetes) cannot.
+        With `checkpoint_step`, the parameters of the run's checkpoint at that step instead (a step
+        ListRunCheckpoints lists; also of an ended run whose shards keep it, or of a restarted
+        shard): NOT_FOUND when a shard has no checkpoint at that step (the message names the shard
+        and the steps it has), DATA_LOSS when one does not read back whole (the message names the
+        file), FAILED_PRECONDITION for a wagma or pseudosync run (its model is on its workers, and
+        on the shards only once the run completed). Nothing changes on the shards either way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -211,6 +222,18 @@ class CoordinatorServiceServicer:
         CheckpointRun), one shard after the other; answers once all are on disk. NOT_FOUND for an
         unknown run; FAILED_PRECONDITION for a run not yet placed, or shards without a state dir;
         UNAVAILABLE when a shard does not answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRunCheckpoints(self, request, context):
+        """Admin: the steps of a run that every shard holding its parts has a complete checkpoint of
+        (ShardService.ListCheckpoints on each), oldest first: what ExportRun's checkpoint_step takes.
+        Under the asynchronous schemes (asgd, ssp, wagma) shards may checkpoint at different steps:
+        only the steps common to all are listed (`shards` names each shard's own). NOT_FOUND for an
+        unknown run; FAILED_PRECONDITION for one never placed, or whose shards freed it; UNAVAILABLE
+        when a shard does not answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -338,6 +361,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.TakeCheckpoint,
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.SerializeToString,
+            ),
+            'ListRunCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRunCheckpoints,
+                    request_deserializer=gradps_dot_v1_dot_coordinator__pb2.ListRunCheckpointsRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_coordinator__pb2.ListRunCheckpointsResponse.SerializeToString,
             ),
             'RegisterShard': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterShard,
@@ -651,6 +679,33 @@ class CoordinatorService:
             '/gradps.v1.CoordinatorService/TakeCheckpoint',
             gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.SerializeToString,
             gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRunCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.CoordinatorService/ListRunCheckpoints',
+            gradps_dot_v1_dot_coordinator__pb2.ListRunCheckpointsRequest.SerializeToString,
+            gradps_dot_v1_dot_coordinator__pb2.ListRunCheckpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

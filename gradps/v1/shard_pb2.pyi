@@ -345,16 +345,18 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("sequence", "step", "min_version", "max_version")
+    __slots__ = ("sequence", "step", "min_version", "max_version", "bytes")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     step: int
     min_version: int
     max_version: int
-    def __init__(self, sequence: _Optional[int] = ..., step: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ...) -> None: ...
+    bytes: int
+    def __init__(self, sequence: _Optional[int] = ..., step: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints", "restored", "step", "restore_epoch")
@@ -367,6 +369,22 @@ class ListCheckpointsResponse(_message.Message):
     step: int
     restore_epoch: int
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., restored: _Optional[bool] = ..., step: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
+
+class ReadCheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ReadCheckpointResponse(_message.Message):
+    __slots__ = ("part", "parts")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    part: _tensor_pb2.TensorPart
+    parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
+    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
 
 class RestoreRunRequest(_message.Message):
     __slots__ = ("run_id", "epoch", "step", "keep", "live_workers", "membership_epoch", "workers")

@@ -105,6 +105,11 @@ class ShardServiceStub:
                 request_serializer=gradps_dot_v1_dot_shard__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_shard__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.ReadCheckpoint = channel.unary_stream(
+                '/gradps.v1.ShardService/ReadCheckpoint',
+                request_serializer=gradps_dot_v1_dot_shard__pb2.ReadCheckpointRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_shard__pb2.ReadCheckpointResponse.FromString,
+                _registered_method=True)
         self.RestoreRun = channel.unary_unary(
                 '/gradps.v1.ShardService/RestoreRun',
                 request_serializer=gradps_dot_v1_dot_shard__pb2.RestoreRunRequest.SerializeToString,
@@ -262,6 +267,17 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadCheckpoint(self, request, context):
+        """Coordinator -> shard: the parts of the run's checkpoint at `step` (its newest there that
+        reads back whole), read back verified, each at the version it had then, as Pull sends them
+        with codec none. Nothing of the run changes. NOT_FOUND for an unknown run or no checkpoint
+        at `step` (the message lists the steps the shard has); DATA_LOSS when none at `step` reads
+        back whole (the message names the file); FAILED_PRECONDITION when the shard has no state dir.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RestoreRun(self, request, context):
         """Coordinator -> shard, after a shard of the run restarted: go on from a consistent cut. With
         `step`, the run's state becomes its checkpoint at that step (checkpoints after it are
@@ -351,6 +367,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=gradps_dot_v1_dot_shard__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_shard__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'ReadCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadCheckpoint,
+                    request_deserializer=gradps_dot_v1_dot_shard__pb2.ReadCheckpointRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_shard__pb2.ReadCheckpointResponse.SerializeToString,
             ),
             'RestoreRun': grpc.unary_unary_rpc_method_handler(
                     servicer.RestoreRun,
@@ -737,6 +758,33 @@ class ShardService:
             '/gradps.v1.ShardService/ListCheckpoints',
             gradps_dot_v1_dot_shard__pb2.ListCheckpointsRequest.SerializeToString,
             gradps_dot_v1_dot_shard__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradps.v1.ShardService/ReadCheckpoint',
+            gradps_dot_v1_dot_shard__pb2.ReadCheckpointRequest.SerializeToString,
+            gradps_dot_v1_dot_shard__pb2.ReadCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
