@@ -1,5 +1,5 @@
-"""The `gradps` command line: train, launch, up, status, runs, checkpoint, checkpoints, stop, delete, export, compare
-and bench."""
+"""The `gradps` command line: train, launch, up, status, runs, scale, checkpoint, checkpoints, stop, delete, export,
+compare and bench."""
 
 from __future__ import annotations
 
@@ -587,6 +587,21 @@ def checkpoint(run_id: str, coordinator: str) -> None:
             f"shard {c.shard}: checkpoint {c.sequence} at step {c.step}, "
             f"{c.bytes / 1e6:.1f} MB in {c.write_seconds:.2f} s"
         )
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("run_id")
+@click.option("--workers", required=True, type=Count(min=1), help="Ranks to train with, 1 to the run's --workers.")
+@_coordinator_option
+@one_line_errors
+def scale(run_id: str, workers: int, coordinator: str) -> None:
+    """Train a running run with more or fewer of its ranks' workers: the highest ranks' workers
+    leave it, or idle workers take its empty ranks with the current model."""
+    with Client(coordinator) as client:
+        answer = client.scale(run_id, workers)
+    ranks = len(answer.run.workers)
+    left = f"; workers {', '.join(map(str, answer.released))} left it" if answer.released else ""
+    click.echo(f"run {run_id}: scaled to {workers} of {ranks} ranks{left}")
 
 
 @cli.command(context_settings=_CONTEXT)

@@ -161,7 +161,8 @@ def follow(
 
 class _Notices:
     """One line above the progress bar when a run starts, when a worker of it dies or a new one
-    joins in a lost one's rank, and when it went on from its checkpoints after a shard restarted."""
+    joins in an empty rank, when it is scaled, and when it went on from its checkpoints after a
+    shard restarted."""
 
     def __init__(self, console: Console, run: cpb.RunStatus) -> None:
         self.console = console
@@ -169,6 +170,7 @@ class _Notices:
         self.dead = set(run.dead_workers)
         self.restores, self.rolled_back = run.restores, run.rolled_back_steps
         self.workers = list(run.workers)
+        self.scaled_to = run.scaled_to
 
     def update(self, run: cpb.RunStatus) -> None:
         if not self.started and run.state == cpb.RUN_STATE_RUNNING:
@@ -187,6 +189,10 @@ class _Notices:
                 step = max((m.step for m in run.latest), default=0)
                 self.console.print(f"[green]worker {worker_id} joined in rank {rank}, near step {step}")
         self.workers = list(run.workers)
+        if run.scaled_to != self.scaled_to:
+            self.scaled_to = run.scaled_to
+            if run.scaled_to:  # 0 before any scaling
+                self.console.print(f"run scaled to {run.scaled_to} of its {len(run.workers)} ranks")
         if run.restores > self.restores:
             again = run.rolled_back_steps - self.rolled_back
             self.restores, self.rolled_back = run.restores, run.rolled_back_steps

@@ -120,6 +120,11 @@ class Client:
         """Stop a run."""
         self._call("StopRun", cpb.StopRunRequest(run_id=run_id))
 
+    def scale(self, run_id: str, workers: int) -> cpb.ScaleRunResponse:
+        """Train the running run with `workers` of its ranks (1 to its spec's workers): the
+        highest ranks' workers leave it, or idle workers take its empty ranks."""
+        return self._call("ScaleRun", cpb.ScaleRunRequest(run_id=run_id, workers=workers))
+
     def checkpoint(self, run_id: str) -> list[cpb.ShardCheckpoint]:
         """Every shard of the run writes a checkpoint of it now; each shard's, once on disk."""
         return list(self._call("TakeCheckpoint", cpb.TakeCheckpointRequest(run_id=run_id)).checkpoints)

@@ -268,6 +268,47 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._end(record, cpb.RUN_STATE_STOPPED, "stopped by a client")
         return cpb.StopRunResponse()
 
+    def ScaleRun(self, request: cpb.ScaleRunRequest, context: grpc.ServicerContext) -> cpb.ScaleRunResponse:
+        with self._cond:
+            record = self._record(request.run_id)
+            spec = record.status.spec
+            if record.status.state != cpb.RUN_STATE_RUNNING:
+                raise NotNow(f"run {record.run_id} is {_state_name(record)}: only a running run scales")
+            if spec.scheme not in JOINABLE:
+                raise NotNow(
+                    f"a {spec.scheme} run cannot scale: its replicas are on its workers only "
+                    f"(scalable: {', '.join(JOINABLE)})"
+                )
+            if spec.script:
+                raise NotNow(f"run {record.run_id}'s workers are the script {spec.script}: launch it with more")
+            ranks = len(record.status.workers)
+            if not 1 <= request.workers <= ranks:
+                raise Invalid(f"run {record.run_id} has {ranks} ranks: it scales to 1 to {ranks} workers")
+            # The highest ranks leave first: rank 0 stays while it lives (it publishes wagma's
+            # final model, and evaluates).
+            training = [w for w in record.status.workers if w in record.live and w not in record.done]
+            released = training[request.workers :]
+            if released and record.epoch >= MEMBERSHIP_CHANGES_PER_WORKER * ranks:
+                raise NotNow(f"run {record.run_id} changed its workers {record.epoch} times, its most")
+            record.status.scaled_to = request.workers
+            for worker_id in released:  # not dead: back to the idle pool, told by their next call
+                record.live.discard(worker_id)
+                self._release(worker_id, record.run_id)
+            if released:
+                self._tell_members(record)
+            self._event(record)
+            _LOGGER.warning(
+                "run %s scaled to %d of %d workers%s",
+                record.run_id,
+                request.workers,
+                ranks,
+                f"; workers {released} leave it" if released else "",
+                extra={"run_id": record.run_id},
+            )
+            self._maybe_complete(record)
+            self._schedule()  # idle workers take the ranks now open
+            return cpb.ScaleRunResponse(run=self._snapshot(record), released=released)
+
     def ResumeRun(self, request: cpb.ResumeRunRequest, context: grpc.ServicerContext) -> cpb.ResumeRunResponse:
         with self._cond:
             record = self._record(request.run_id)
@@ -848,16 +889,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._refill()
 
     def _refill(self) -> None:
-        """Give idle workers the ranks that running runs lost (JOINABLE schemes): a new worker
-        takes a dead one's rank and enters with the current model."""
+        """Give idle workers the ranks that running runs lost or opened (JOINABLE schemes, up to
+        the ranks a run is scaled to): a new worker takes an empty rank and enters with the
+        current model."""
         for record in list(self._runs.values()):
-            spec = record.status.spec
+            spec, ranks = record.status.spec, len(record.status.workers)
             lost = [r for r, w in enumerate(record.status.workers) if w not in record.live and w not in record.done]
-            changes_left = MEMBERSHIP_CHANGES_PER_WORKER * len(record.status.workers) - record.epoch
+            changes_left = MEMBERSHIP_CHANGES_PER_WORKER * ranks - record.epoch
+            wanted = (record.status.scaled_to or ranks) - len(record.live)
             joinable = spec.scheme in JOINABLE and not spec.script and record.placement is not None
             if record.status.state != cpb.RUN_STATE_RUNNING or not joinable or record.done:
                 continue
-            for rank in lost[: max(0, min(len(self._idle), changes_left - len(record.status.workers)))]:
+            for rank in lost[: max(0, min(len(self._idle), changes_left - ranks, wanted))]:
                 self._join(record, rank, min(self._idle))
 
     def _join(self, record: RunRecord, rank: int, worker_id: int) -> None:
@@ -870,19 +913,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         record.latest.pop(lost, None)  # its rank's figures are the new worker's from now on
         record.live.add(worker_id)
         record.joined.add(worker_id)
-        record.epoch += 1
         record.status.joins += 1
         self._store.save_workers(record.run_id, [(worker_id, worker.name, worker.device)])
-        self._to_shards(
-            record,
-            "SetMembership",
-            shard_pb2.SetMembershipRequest(
-                run_id=record.run_id,
-                epoch=record.epoch,
-                live_workers=sorted(record.live),
-                workers=record.status.workers,
-            ),
-        )
+        self._tell_members(record, ranks_changed=True)
         self._event(record)
         _LOGGER.warning(
             "run %s: worker %d joins in rank %d (worker %d's)",
@@ -1068,14 +1101,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def _drop_member(self, record: RunRecord, worker_id: int) -> None:
         record.live.discard(worker_id)
         record.status.dead_workers.append(worker_id)
+        self._tell_members(record)
+        self._event(record)
+        self._maybe_complete(record)
+
+    def _tell_members(self, record: RunRecord, ranks_changed: bool = False) -> None:
+        """The run's membership changed: a new epoch, in which the shards hear its live workers
+        (and its workers by rank, where one took another's rank)."""
         record.epoch += 1
         self._to_shards(
             record,
             "SetMembership",
-            shard_pb2.SetMembershipRequest(run_id=record.run_id, epoch=record.epoch, live_workers=sorted(record.live)),
+            shard_pb2.SetMembershipRequest(
+                run_id=record.run_id,
+                epoch=record.epoch,
+                live_workers=sorted(record.live),
+                workers=record.status.workers if ranks_changed else [],
+            ),
         )
-        self._event(record)
-        self._maybe_complete(record)
 
     def _expire_shards(self, now: float) -> bool:
         """Leave silent shards out of new placements; forget them after a while. True when any died."""

@@ -70,6 +70,7 @@ ADMIN_RPCS = {
         "ExportRun",
         "TakeCheckpoint",
         "ListRunCheckpoints",
+        "ScaleRun",
     },
     "ShardService": {
         "OpenRun",

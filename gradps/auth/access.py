@@ -49,6 +49,7 @@ _ADMIN_CALLS = {
         "ExportRun",
         "TakeCheckpoint",
         "ListRunCheckpoints",
+        "ScaleRun",
     },
     "ShardService": {
         "OpenRun",
@@ -97,7 +98,7 @@ def _rules() -> dict[str, Rule]:
             elif name in _ADMIN_CALLS[service.name]:
                 rules[path] = Rule(frozenset({ADMIN}))
             else:
-                raise ImportError(f"gradps.auth: RPC {path} has no role; place it in gradps/auth.py")
+                raise ImportError(f"gradps.auth: RPC {path} has no role; place it in gradps/auth/access.py")
     return rules
 
 

@@ -66,7 +66,7 @@ class Metrics(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., weights_digest: _Optional[bytes] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason", "restores", "rolled_back_steps", "restore_epoch", "joins")
+    __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason", "restores", "rolled_back_steps", "restore_epoch", "joins", "scaled_to")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class RunStatus(_message.Message):
     ROLLED_BACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     JOINS_FIELD_NUMBER: _ClassVar[int]
+    SCALED_TO_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec: _run_pb2.RunSpec
     state: RunState
@@ -99,7 +100,8 @@ class RunStatus(_message.Message):
     rolled_back_steps: int
     restore_epoch: int
     joins: int
-    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ..., restores: _Optional[int] = ..., rolled_back_steps: _Optional[int] = ..., restore_epoch: _Optional[int] = ..., joins: _Optional[int] = ...) -> None: ...
+    scaled_to: int
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[_run_pb2.RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., workers: _Optional[_Iterable[int]] = ..., dead_workers: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ..., total_steps: _Optional[int] = ..., message: _Optional[str] = ..., pending_reason: _Optional[str] = ..., restores: _Optional[int] = ..., rolled_back_steps: _Optional[int] = ..., restore_epoch: _Optional[int] = ..., joins: _Optional[int] = ..., scaled_to: _Optional[int] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("spec",)
@@ -206,6 +208,22 @@ class ShardCheckpoint(_message.Message):
     bytes: int
     write_seconds: float
     def __init__(self, shard: _Optional[str] = ..., sequence: _Optional[int] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ..., write_seconds: _Optional[float] = ...) -> None: ...
+
+class ScaleRunRequest(_message.Message):
+    __slots__ = ("run_id", "workers")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    workers: int
+    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class ScaleRunResponse(_message.Message):
+    __slots__ = ("run", "released")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    run: RunStatus
+    released: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run: _Optional[_Union[RunStatus, _Mapping]] = ..., released: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListRunCheckpointsRequest(_message.Message):
     __slots__ = ("run_id",)

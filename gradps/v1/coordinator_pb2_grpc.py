@@ -85,6 +85,11 @@ class CoordinatorServiceStub:
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.SerializeToString,
                 response_deserializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ScaleRun = channel.unary_unary(
+                '/gradps.v1.CoordinatorService/ScaleRun',
+                request_serializer=gradps_dot_v1_dot_coordinator__pb2.ScaleRunRequest.SerializeToString,
+                response_deserializer=gradps_dot_v1_dot_coordinator__pb2.ScaleRunResponse.FromString,
+                _registered_method=True)
         self.ListRunCheckpoints = channel.unary_unary(
                 '/gradps.v1.CoordinatorService/ListRunCheckpoints',
                 request_serializer=gradps_dot_v1_dot_coordinator__pb2.ListRunCheckpointsRequest.SerializeToString,
@@ -227,6 +232,19 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScaleRun(self, request, context):
+        """Admin: how many of a running run's ranks take workers, between 1 and its spec's `workers`
+        (sync, asgd, ssp, wagma). Fewer: the workers of the highest ranks leave the run at once (their
+        next call or heartbeat tells them; they go back to the idle pool) and their ranks wait
+        empty, their data untrained meanwhile. More: idle workers take the empty ranks, now or as
+        they come, each as a worker that joins in a lost one's rank. NOT_FOUND for an unknown run;
+        FAILED_PRECONDITION for a run not running, a pseudosync run (its replicas are on its workers
+        only) or a launched one; INVALID_ARGUMENT for a count out of range.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListRunCheckpoints(self, request, context):
         """Admin: the steps of a run that every shard holding its parts has a complete checkpoint of
         (ShardService.ListCheckpoints on each), oldest first: what ExportRun's checkpoint_step takes.
@@ -361,6 +379,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.TakeCheckpoint,
                     request_deserializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.FromString,
                     response_serializer=gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.SerializeToString,
+            ),
+            'ScaleRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleRun,
+                    request_deserializer=gradps_dot_v1_dot_coordinator__pb2.ScaleRunRequest.FromString,
+                    response_serializer=gradps_dot_v1_dot_coordinator__pb2.ScaleRunResponse.SerializeToString,
             ),
             'ListRunCheckpoints': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRunCheckpoints,
@@ -679,6 +702,33 @@ class CoordinatorService:
             '/gradps.v1.CoordinatorService/TakeCheckpoint',
             gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointRequest.SerializeToString,
             gradps_dot_v1_dot_coordinator__pb2.TakeCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradps.v1.CoordinatorService/ScaleRun',
+            gradps_dot_v1_dot_coordinator__pb2.ScaleRunRequest.SerializeToString,
+            gradps_dot_v1_dot_coordinator__pb2.ScaleRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
