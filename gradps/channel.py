@@ -107,12 +107,15 @@ def make_server(
     Prometheus (gradps.metrics), outermost so that its code is the one the client sees. With
     `secret`, every call but health checks needs a token of a role that may make it
     (gradps.auth.access.AuthInterceptor); without, every call is accepted. One caller has at
-    most `max_calls_per_caller` calls in flight (gradps.auth.limits, inside the token check)."""
+    most `max_calls_per_caller` calls in flight, and never more than half of the server's
+    `max_workers` threads (gradps.auth.limits, inside the token check): one caller never holds
+    every thread."""
     tune_allocator()
     executor = futures.ThreadPoolExecutor(max_workers=max_workers)
     auth = (AuthInterceptor(secret),) if secret is not None else ()
     counted = (ServerMetricsInterceptor(),) if serving_metrics() else ()
-    interceptors = (*counted, *auth, CallLimitInterceptor(max_calls_per_caller), StatusInterceptor())
+    limit = CallLimitInterceptor(min(max_calls_per_caller, max(1, max_workers // 2)))
+    interceptors = (*counted, *auth, limit, StatusInterceptor())
     return grpc.server(executor, options=_OPTIONS, interceptors=interceptors)
 
 

@@ -19,9 +19,11 @@ from client.local_cluster import LocalCluster
 from client.sdk import Client, run_spec
 from gradps.auth import tokens
 from gradps.auth.limits import MAX_CALLS_ENV
+from gradps.channel import bind, make_server
 from gradps.parameter_client import tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc
+from ps_server.coordinator import CoordinatorServicer
 from tests.services import Services, until
 
 LIMIT = 4
@@ -216,3 +218,39 @@ def test_without_tokens_a_connection_is_one_caller_and_joins_are_not_counted(ope
     finally:
         busy.close()
         calm.close()
+
+
+# ---- the limit never reaches the server's threads -----------------------------------------------
+
+
+def test_one_caller_holds_at_most_half_the_threads_whatever_its_limit():
+    """A server of 8 threads asked for 64 calls per caller: one connection's long polls are refused
+    past 4, and a caller on another connection is still served (threads are left for it)."""
+    server = make_server(max_workers=8, max_calls_per_caller=64)
+    servicer = CoordinatorServicer(heartbeat_timeout_s=120.0)
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{bind(server, 0)}"
+    server.start()
+    hog, other = _connection(address), _connection(address)
+    try:
+        stub, other_stub = (
+            coordinator_pb2_grpc.CoordinatorServiceStub(hog),
+            coordinator_pb2_grpc.CoordinatorServiceStub(other),
+        )
+        worker = stub.JoinWorker(cpb.JoinWorkerRequest(name="hog"), timeout=10).worker_id
+        poll = cpb.GetAssignmentRequest(worker_id=worker, wait_ms=_WAIT_MS)
+        held = [stub.GetAssignment.future(poll, timeout=90) for _ in range(4)]
+        details = _until_refused(
+            lambda: stub.ListRuns(cpb.ListRunsRequest(), timeout=10),
+            held,
+            lambda: stub.GetAssignment.future(poll, timeout=90),
+        )
+        assert "has 4 calls in flight" in details, details
+        assert _served(lambda: other_stub.ListRuns(cpb.ListRunsRequest(), timeout=10))
+        for call in held:
+            call.cancel()
+    finally:
+        hog.close()
+        other.close()
+        server.stop(grace=None)
+        servicer.close()

@@ -1,6 +1,8 @@
 """How many calls one caller may have in flight at once, checked by a server interceptor beside
 `gradps.auth.access.AuthInterceptor`: no caller holds every thread of a service (a call holds
-one while its handler runs, a streaming call until its stream ends).
+one while its handler runs, a streaming call until its stream ends). The limit is the service's
+`--max-calls-per-caller`, and at most half its threads (gradps.channel.make_server): the shards
+serve with 32 threads, the coordinator with 64.
 
 A caller is a joined worker (its own token: every connection of worker 7 counts as one caller),
 else one connection (a role token that many processes share, such as every shard's, or no token
@@ -20,8 +22,9 @@ import grpc
 
 from gradps.auth.access import current_caller
 
-# At most this many calls of one caller at once, unless the service says otherwise: a worker has
-# a handful (heartbeat, assignment poll, a pull and a push per shard, a data stream's setup).
+# At most this many calls of one caller at once, unless the service says otherwise (and never
+# more than half its threads): a worker has a handful (heartbeat, assignment poll, a pull and a
+# push per shard, a data stream's setup).
 DEFAULT_MAX_CALLS_PER_CALLER = 64
 MAX_CALLS_ENV = "GRADPS_MAX_CALLS_PER_CALLER"
 _UNCOUNTED = ("/grpc.health.v1.Health/", "/gradps.v1.CoordinatorService/JoinWorker")
@@ -36,7 +39,8 @@ def max_calls_option(fn: Callable) -> Callable:
         default=DEFAULT_MAX_CALLS_PER_CALLER,
         show_default=True,
         type=click.IntRange(1, 1_000_000),
-        help="Calls one caller (a worker, or one connection) may have in flight at once; beyond: RESOURCE_EXHAUSTED.",
+        help="Calls one caller (a worker, or one connection) may have in flight at once, at most half the service's "
+        "threads; beyond: RESOURCE_EXHAUSTED.",
     )(fn)
 
 
