@@ -231,24 +231,7 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         """Start every process and wait until all shards and workers joined."""
-        port_file = Path(self._tmp.name) / "coordinator.port"
-        state = [f"--state-dir={self.state_dir}"] if self.state_dir else []
-        host = self.layout.coordinator
-        bind = [f"--bind={self.host_address(host)}"] if self.network else []
-        self.coordinator = self._spawn(
-            "coordinator",
-            "ps_server.coordinator",
-            f"--port={self.port}",
-            f"--port-file={port_file}",
-            f"--heartbeat-timeout={self.heartbeat_timeout_s}",
-            *state,
-            *self._secret_args(),
-            *self._tls_args(),
-            *(f"--allow-import={prefix}" for prefix in self.allow_import),
-            *bind,
-            host=host,
-        )
-        self.address = f"{self.host_address(host)}:{self._port(port_file, self.coordinator)}"
+        self.address = self._start_coordinator(self.port)
         self._remember(self.address)
         for i, port in enumerate(self._kept_shard_ports()):
             try:
@@ -264,6 +247,35 @@ class LocalCluster:
         with Client(self.address) as client:
             client.wait_for_cluster(self.n_shards, self.n_workers)
         return self
+
+    def _start_coordinator(self, port: int) -> str:
+        """Start the coordinator on `port` (0: any free one); its address once it listens."""
+        port_file = Path(self._tmp.name) / "coordinator.port"
+        port_file.unlink(missing_ok=True)
+        state = [f"--state-dir={self.state_dir}"] if self.state_dir else []
+        host = self.layout.coordinator
+        bind = [f"--bind={self.host_address(host)}"] if self.network else []
+        self.coordinator = self._spawn(
+            "coordinator",
+            "ps_server.coordinator",
+            f"--port={port}",
+            f"--port-file={port_file}",
+            f"--heartbeat-timeout={self.heartbeat_timeout_s}",
+            *state,
+            *self._secret_args(),
+            *self._tls_args(),
+            *(f"--allow-import={prefix}" for prefix in self.allow_import),
+            *bind,
+            host=host,
+        )
+        return f"{self.host_address(host)}:{self._port(port_file, self.coordinator)}"
+
+    def restart_coordinator(self) -> None:
+        """Start the coordinator again after it exited (killed, say), on its port (the shards and
+        workers know it there) and wait until it listens: with a state dir, it takes its runs back."""
+        if self.coordinator is None or self.coordinator.poll() is None:
+            raise RuntimeError("the coordinator is still running")
+        self._start_coordinator(int(self.address.rsplit(":", 1)[1]))
 
     def add_shard(self, i: int, port: int = 0) -> subprocess.Popen:
         """Start shard `i` (on `port`; 0: any free one) and wait until it registered."""

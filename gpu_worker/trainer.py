@@ -101,7 +101,10 @@ class Trainer:
         with torch.no_grad():
             self.client.register(self.params)
         began = time.perf_counter()
-        self.scheme.start()
+        try:
+            self.scheme.start()
+        except RolledBack as e:  # the run went back while this worker joined it
+            self.steps_done = self._go_back(e, self.steps_done)
         self._step_began = time.perf_counter()
         self._wait_s += self._step_began - began
 
@@ -142,7 +145,11 @@ class Trainer:
         try:
             return self.scheme.after_backward(step)
         except RolledBack as e:
-            told = e
+            return self._go_back(e, step)
+
+    def _go_back(self, told: RolledBack, step: int) -> int:
+        """The run went back to a checkpoint (`told` by a shard at step `step`): the scheme takes
+        that step's state and the data goes back there; the step to go on from."""
         while True:  # told again while going back (another shard restarted): go back there
             _LOGGER.warning(
                 "run %s: a shard restarted; going back from step %d to %d", self.assignment.run_id, step, told.step

@@ -8,6 +8,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -236,3 +237,52 @@ def test_gradps_checkpoint_has_every_shard_write_one_now(cluster, tmp_path):
         client.stop(run_id)
     folders = sorted(p.name for p in (tmp_path / "state").glob(f"shard-*/{run_id}/ckpt-*"))
     assert folders == ["ckpt-00000001", "ckpt-00000001"], folders
+
+
+@pytest.mark.parametrize("first", ["coordinator", "shard"])
+def test_a_sync_run_goes_on_when_its_coordinator_and_a_shard_are_killed_together(cluster, first, tmp_path):
+    """The coordinator and shard 1 killed with SIGKILL at once and started again (either first):
+    the new coordinator takes the run back from its state dir, hears the restarted shard (a boot id
+    it never saw) and has every shard go back to a common checkpoint; the run completes with every
+    rank, and the runs of before are still listed."""
+    steps = 600
+    with Client(cluster.address) as client:
+        earlier = client.submit(_spec("sync", CHECKPOINT_EVERY))
+        assert follow(client, earlier, tmp_path / "earlier", show_progress=False)["state"] == "completed"
+        run_id = client.submit(_spec("sync", steps))
+        _wait_for_step(client, run_id, 50)
+        killed_at = max(m.step for m in client.run(run_id).run.latest)
+    # The shard first, the coordinator once the workers wait at it: a worker whose metrics report
+    # is in flight when the coordinator dies gives up its run (README), which then ends without it.
+    cluster.shards[1].kill()
+    cluster.shards[1].wait()
+    time.sleep(0.3)
+    cluster.coordinator.kill()
+    cluster.coordinator.wait()
+    time.sleep(0.5)  # the workers find both gone
+    if first == "coordinator":
+        cluster.restart_coordinator()
+        cluster.restart_shard(1)
+    else:
+        # A restarted shard registers before it writes its port file: start the coordinator meanwhile.
+        shard = threading.Thread(target=cluster.restart_shard, args=(1,))
+        shard.start()
+        time.sleep(1.0)
+        cluster.restart_coordinator()
+        shard.join(timeout=60)
+    with Client(cluster.address) as client:
+        summary = follow(client, run_id, tmp_path / "run", show_progress=False)
+        status = client.run(run_id).run
+        listed = {r.run_id: r.state for r in client.runs()}
+    print(
+        f"\n{first} first: killed at step {killed_at}; {status.restores} restores, "
+        f"{status.rolled_back_steps} steps rolled back; accuracy {summary['final_test_accuracy']}"
+    )
+    assert summary["state"] == "completed", summary
+    assert status.restores == 1 and status.rolled_back_steps <= 2 * CHECKPOINT_EVERY, status
+    done = [m for m in status.latest if m.done]
+    assert sorted(m.rank for m in done) == [0, 1] and all(m.step == steps for m in done), done
+    assert not status.dead_workers, status.dead_workers
+    assert summary["final_test_accuracy"] >= 0.9, summary
+    assert listed[earlier] == cpb.RUN_STATE_COMPLETED, listed
+    assert "every shard went back to step" in _log(cluster)
