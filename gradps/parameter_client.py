@@ -135,11 +135,14 @@ class ParameterClient:
         """fn(link) for every shard that owns parts, in parallel."""
         return list((pool or self._pool).map(lambda s: fn(self.links[s]), self._owners))
 
-    def register(self, tensors: dict[str, torch.Tensor], overwrite: bool = False) -> None:
+    def register(self, tensors: dict[str, torch.Tensor], overwrite: bool = False, replica_step: int = 0) -> None:
         """Upload initial values; the first worker's upload wins on each shard. With `overwrite`,
-        replace the shards' copy (schemes whose model lives on the workers publish it this way)."""
+        replace the shards' copy (schemes whose model lives on the workers publish it this way);
+        with `replica_step` too, hand the replica in as it was at the start of that step."""
         flat = {name: t.detach().reshape(-1).float().cpu() for name, t in tensors.items()}
-        header = shard_pb2.RegisterTensorsRequest(run_id=self.run_id, overwrite=overwrite)
+        header = shard_pb2.RegisterTensorsRequest(run_id=self.run_id, overwrite=overwrite, replica_step=replica_step)
+        if replica_step:
+            header.restore_epoch = self.restore_epoch
         self._each_shard(lambda link: link.register(header, self._values(link.index, flat)))
 
     def pull(self, into: dict[str, torch.Tensor], min_version: int = 0, clock: int = 0) -> None:

@@ -65,6 +65,10 @@ class Scheme:
     # step (its versions count steps); else the restarted shard goes on from its own checkpoint
     # (ps_server/recovery.py).
     common_cut: bool = False
+    # Its model lives on the workers, one replica for all: rank 0 hands it in at every
+    # checkpoint step (steps, not seconds), and every worker takes it up from the shards where
+    # the run goes back to a checkpoint, a new worker enters with the others, or a run resumes.
+    hands_in_replica: bool = False
 
 
 _STALENESS_LR = Param("staleness_lr", bool, False, "lr / max(1, staleness).")
@@ -119,6 +123,7 @@ _ALL = (
             Param("fixed_alpha", bool, False, "keep a fixed (no adaptation)."),
         ),
         common_cut=True,
+        hands_in_replica=True,
     ),
 )
 

@@ -108,7 +108,10 @@ class RunCheckpoints:
     # ---- writing ----------------------------------------------------------------------------
 
     def due(self, rule: ShardRule) -> bool:
-        """Whether the run's interval says a checkpoint is due now (call with `run.cond` held)."""
+        """Whether the run's interval says a checkpoint is due now, and its state is a cut (call
+        with `run.cond` held)."""
+        if not rule.cut_ready():
+            return False
         if self.every_steps and rule.step() // self.every_steps > self.last_step // self.every_steps:
             return True
         return bool(self.every_s) and time.monotonic() - self.last_time >= self.every_s

@@ -64,7 +64,7 @@ from ps_server.coordinator_limits import (
     check_spec,
     shown,
 )
-from ps_server.recovery import Restart, recover, resume
+from ps_server.recovery import Restart, go_back, recover
 from ps_server.run_store import RunStore, StoreError
 
 _LOGGER = logging.getLogger("gradps.coordinator")
@@ -98,11 +98,9 @@ _WORKER_IDS_RESERVED = "worker_ids_reserved"
 # running (they train on against the shards, and heartbeat with their ids once it answers: gRPC's
 # reconnect backoff may take a few seconds); one silent for longer is declared dead as usual.
 _REJOIN_GRACE_TIMEOUTS = 5
-# Schemes whose state is on the shards only, so that new workers can take a run of them up again.
-RESUMABLE = ("sync", "asgd", "ssp")
-# Schemes a worker can join while they run: those whose model is on the shards, and wagma, whose
-# new worker takes the consensus of the others' models.
-JOINABLE = (*RESUMABLE, "wagma")
+# Schemes whose state is on the shards, so that new workers can take a run of them up again
+# (pseudosync's replica is handed in at its checkpoint steps; wagma's models are the workers').
+RESUMABLE = ("sync", "asgd", "ssp", "pseudosync")
 # Why such a run fails when none of them came back.
 RESTARTED_MESSAGE = (
     "coordinator restarted while the run was running, and none of its workers came back; "
@@ -120,6 +118,9 @@ class WorkerRecord:
     run_id: str = ""
     # Taken back with its run after a restart (until it leaves the run).
     restored: bool = False
+    # It fetched its run's assignment (GetAssignment); until then its reports and failures are
+    # of what it ran before (the same run, stopped and resumed since), not of this run.
+    picked_up: bool = True
 
 
 @dataclass
@@ -157,6 +158,9 @@ class RunRecord:
     start_step: int = 0
     # Workers that took a lost worker's rank while the run was running.
     joined: set[int] = field(default_factory=set)
+    # One joined a run whose replica is handed in (pseudosync): its shards go back to their newest
+    # common checkpoint when that worker asks for the placement, so that every worker enters there.
+    gathering: bool = False
     # One recovery at a time.
     recovery_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -274,11 +278,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             spec = record.status.spec
             if record.status.state != cpb.RUN_STATE_RUNNING:
                 raise NotNow(f"run {record.run_id} is {_state_name(record)}: only a running run scales")
-            if spec.scheme not in JOINABLE:
-                raise NotNow(
-                    f"a {spec.scheme} run cannot scale: its replicas are on its workers only "
-                    f"(scalable: {', '.join(JOINABLE)})"
-                )
             if spec.script:
                 raise NotNow(f"run {record.run_id}'s workers are the script {spec.script}: launch it with more")
             ranks = len(record.status.workers)
@@ -580,6 +579,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if worker is None or not worker.run_id or not context.is_active():
                 return cpb.GetAssignmentResponse()
             status = self._runs[worker.run_id].status
+            worker.picked_up = True
             return cpb.GetAssignmentResponse(
                 run_id=status.run_id,
                 spec=status.spec,
@@ -624,8 +624,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     self._close_old_runs()
             elif list(record.placement.tensors) != list(request.tensors):
                 raise Invalid("tensors differ from those the run's first worker registered (same model and seed?)")
-            elif record.resuming:
-                self._resume_on_shards(record)
+            elif record.resuming or record.gathering:
+                self._go_back_on_shards(record)
         with self._cond:
             return cpb.GetPlacementResponse(
                 placement=record.placement,
@@ -634,31 +634,46 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             )
 
     def _start_step(self, record: RunRecord, worker_id: int) -> int:
-        """Where a worker of the run starts: a resumed run's step; for one that joined the running
-        run, the furthest step its live workers reported."""
-        if worker_id in record.joined:
+        """Where a worker of the run starts: a resumed run's step, or the one its workers went
+        back to for a new one to enter with the same replica; for a worker that joined a run of
+        another scheme, the furthest step its live workers reported."""
+        if worker_id in record.joined and not get_scheme(record.status.spec.scheme).hands_in_replica:
             return max((m.step for w, m in record.latest.items() if w in record.live), default=record.start_step)
         return record.start_step
 
-    def _resume_on_shards(self, record: RunRecord) -> None:
-        """A resumed run's first worker asks for its placement: its shards go back to their newest
-        common checkpoint with the new workers (placement lock held, not the coordinator's)."""
+    def _go_back_on_shards(self, record: RunRecord) -> None:
+        """A resumed run's first worker asks for its placement, or a worker that joined a run
+        whose replica is handed in: the run's shards go back to their newest common checkpoint,
+        from where its workers go on (placement lock held, not the coordinator's)."""
         placement = record.placement
         assert placement is not None
         with self._cond:
-            workers = tuple(record.status.workers)
-        shards = _holders(placement)
-        outcome = resume(record.run_id, shards, workers, record.status.restore_epoch)
+            resumed, workers = record.resuming, tuple(record.status.workers)
+            request = shard_pb2.RestoreRunRequest(
+                run_id=record.run_id,
+                epoch=record.status.restore_epoch,
+                workers=workers,
+                live_workers=workers if resumed else sorted(record.live),
+                membership_epoch=record.epoch,
+            )
+            record.gathering = False  # a worker that joins from now on gathers them again
+        outcome = go_back(request, _holders(placement), "to resume from" if resumed else "to take a new worker in at")
+        what = "resume" if resumed else "take its new worker in"
         with self._cond:
             if outcome.error:
-                self._end(record, cpb.RUN_STATE_FAILED, f"cannot resume: {outcome.error}")
-                raise NotNow(f"run {record.run_id} cannot resume: {outcome.error}")
+                self._end(record, cpb.RUN_STATE_FAILED, f"cannot {what}: {outcome.error}")
+                raise NotNow(f"run {record.run_id} cannot {what}: {outcome.error}")
             assert outcome.step is not None
             record.resuming, record.status.restore_epoch, record.start_step = False, outcome.restore_epoch, outcome.step
+            if not resumed:
+                record.status.rolled_back_steps += max(0, outcome.reached - outcome.step)
+            if record.epoch != request.membership_epoch:  # changed meanwhile: the shards hear it after
+                self._tell_members(record, ranks_changed=True)
             self._event(record)
         _LOGGER.warning(
-            "run %s resumed at step %d on workers %s",
+            "run %s %s at step %d on workers %s",
             record.run_id,
+            "resumed" if resumed else "went back to take its new worker in",
             outcome.step,
             list(workers),
             extra={"run_id": record.run_id},
@@ -675,6 +690,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 return cpb.ReportMetricsResponse(stop=True)
             if m.worker_id not in record.live:
                 # Declared dead (missed heartbeats) but still running: the run went on without it.
+                return cpb.ReportMetricsResponse(stop=True)
+            worker = self._workers.get(m.worker_id)
+            if worker is not None and not worker.picked_up:  # of its earlier part in the run
                 return cpb.ReportMetricsResponse(stop=True)
             _check_steps(record, m)  # before anything changes
             record.latest[m.worker_id] = m
@@ -836,11 +854,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     restore_epoch=record.status.restore_epoch,
                     live_workers=tuple(sorted(record.live)),
                     membership_epoch=record.epoch,
+                    workers=tuple(record.status.workers),
                 )
             outcome = recover(restart)
             with self._cond:
                 if record.status.state != cpb.RUN_STATE_RUNNING:
                     return
+                if record.epoch != restart.membership_epoch:  # changed meanwhile: the shards hear it after
+                    self._tell_members(record, ranks_changed=True)
                 if outcome.error:
                     _LOGGER.error("run %s: %s", record.run_id, outcome.error, extra={"run_id": record.run_id})
                     self._end(record, cpb.RUN_STATE_FAILED, outcome.error)
@@ -889,15 +910,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._refill()
 
     def _refill(self) -> None:
-        """Give idle workers the ranks that running runs lost or opened (JOINABLE schemes, up to
-        the ranks a run is scaled to): a new worker takes an empty rank and enters with the
-        current model."""
+        """Give idle workers the ranks that running runs lost or opened (up to the ranks a run is
+        scaled to): a new worker takes an empty rank and enters with the current model (wagma's:
+        the consensus of the others' models; pseudosync's: every worker goes back to the newest
+        checkpoint, whose replica all take up)."""
         for record in list(self._runs.values()):
             spec, ranks = record.status.spec, len(record.status.workers)
             lost = [r for r, w in enumerate(record.status.workers) if w not in record.live and w not in record.done]
             changes_left = MEMBERSHIP_CHANGES_PER_WORKER * ranks - record.epoch
             wanted = (record.status.scaled_to or ranks) - len(record.live)
-            joinable = spec.scheme in JOINABLE and not spec.script and record.placement is not None
+            joinable = not spec.script and record.placement is not None
+            if get_scheme(spec.scheme).hands_in_replica:  # a checkpoint to gather at, likely
+                reached = max((m.step for m in record.latest.values()), default=0)
+                joinable &= 0 < spec.checkpoint_every_steps <= reached
             if record.status.state != cpb.RUN_STATE_RUNNING or not joinable or record.done:
                 continue
             for rank in lost[: max(0, min(len(self._idle), changes_left - ranks, wanted))]:
@@ -907,13 +932,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """`worker_id` (idle) takes rank `rank` of the running run: the shards hear the new members."""
         self._idle.discard(worker_id)
         worker = self._workers[worker_id]
-        worker.run_id = record.run_id
+        worker.run_id, worker.picked_up = record.run_id, False
         lost = record.status.workers[rank]
         record.status.workers[rank] = worker_id
         record.latest.pop(lost, None)  # its rank's figures are the new worker's from now on
         record.live.add(worker_id)
         record.joined.add(worker_id)
         record.status.joins += 1
+        record.gathering |= get_scheme(record.status.spec.scheme).hands_in_replica
         self._store.save_workers(record.run_id, [(worker_id, worker.name, worker.device)])
         self._tell_members(record, ranks_changed=True)
         self._event(record)
@@ -936,6 +962,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         chosen = heapq.nsmallest(need, self._idle)
         for worker_id in chosen:
             self._workers[worker_id].run_id = record.run_id
+            self._workers[worker_id].picked_up = False
         self._idle.difference_update(chosen)
         del self._pending[record.run_id]
         record.status.workers.extend(chosen)

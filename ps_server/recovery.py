@@ -41,6 +41,8 @@ class Restart:
     restore_epoch: int
     live_workers: tuple[int, ...]
     membership_epoch: int
+    # Every worker by rank (a checkpoint may predate one that joined).
+    workers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -95,17 +97,17 @@ def _go_back_together(restart: Restart, listed: shard_pb2.ListCheckpointsRespons
     return _to_common_step(request, order, listings, f"(shard {restart.restarted} restarted)")
 
 
-def resume(run_id: str, shards: tuple[str, ...], workers: tuple[int, ...], restore_epoch: int) -> Outcome:
-    """A failed or stopped run taken up by new `workers`: every shard back to the newest step
-    checkpointed on all of them, at a new epoch, with `workers` as the run's."""
+def go_back(request: shard_pb2.RestoreRunRequest, shards: tuple[str, ...], why: str) -> Outcome:
+    """Every shard of the run back to the newest step checkpointed on all of them, at the epoch
+    after `request.epoch`, with the request's membership: a failed or stopped run taken up by
+    new workers (`request.workers`), or a running one whose workers take one replica up again
+    (a new worker enters). `why` ends the message when there is no such step."""
     try:
-        listings = [_listing(address, run_id) for address in shards]
+        listings = [_listing(address, request.run_id) for address in shards]
     except grpc.RpcError as e:
         return Outcome(error=f"a shard of the run could not list its checkpoints: {_reason(e)}")
-    request = shard_pb2.RestoreRunRequest(
-        run_id=run_id, epoch=restore_epoch + 1, workers=workers, live_workers=workers, membership_epoch=0
-    )
-    return _to_common_step(request, list(shards), listings, "to resume from")
+    request.epoch += 1
+    return _to_common_step(request, list(shards), listings, why)
 
 
 def _to_common_step(
@@ -138,6 +140,7 @@ def _restore(restart: Restart, epoch: int) -> shard_pb2.RestoreRunRequest:
         epoch=epoch,
         live_workers=restart.live_workers,
         membership_epoch=restart.membership_epoch,
+        workers=restart.workers,
     )
 
 

@@ -196,7 +196,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         with run.cond:
             first = not run.ended
             run.end()
-            if first and saving is not None and (saving.every_steps or saving.every_s):
+            if first and saving is not None and (saving.every_steps or saving.every_s) and rule.cut_ready():
                 saving.start(run, rule)  # the state it ended with, for export after a restart
         _LOGGER.info("run %s ended", request.run_id, extra=_about(request.run_id))
         return shard_pb2.EndRunResponse()
@@ -220,6 +220,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request_iterator: Iterable[bytes], context: grpc.ServicerContext
     ) -> shard_pb2.RegisterTensorsResponse:
         run: RunState | None = None
+        rule: ShardRule | None = None
         header: tuple = ()
         seen: set[PartKey] = set()
         decoded: list[tuple[Part, torch.Tensor]] = []
@@ -227,13 +228,16 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             request, parts = unframe(message, shard_pb2.RegisterTensorsRequest)
             if len(parts) != 1:
                 raise Invalid("a RegisterTensorsRequest carries one part")
+            said = (request.run_id, request.overwrite, request.part_count, request.replica_step, request.restore_epoch)
             if run is None:
-                run, _ = self._run(request.run_id)
-                with run.cond:
-                    check_epoch(run, run.restore_epoch)  # not while held: initial values come first
-                header = request.run_id, request.overwrite, expected_parts(request.part_count, run, _REGISTER)
-            elif (request.run_id, request.overwrite, request.part_count) != header:
-                raise Invalid("every message of a RegisterTensors call repeats its run_id, overwrite and part_count")
+                run, rule = self._run(request.run_id)
+                _check_hand_in(run, rule, request)
+                header = (*said[:2], expected_parts(request.part_count, run, _REGISTER), *said[3:])
+            elif said != header:
+                raise Invalid(
+                    "every message of a RegisterTensors call repeats its run_id, overwrite, part_count, "
+                    "replica_step and restore_epoch"
+                )
             ((meta, data),) = parts
             part = _initial_part(run, meta, seen, header[2])
             values, _ = decode_received(meta, data, INLINE_IN, decode_part, self.device)
@@ -242,12 +246,19 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             if request.overwrite or not part.initialised:
                 decoded.append((part, values))
             del values, data, meta, request, message
-        if run is None:
+        if run is None or rule is None:
             return shard_pb2.RegisterTensorsResponse()
         check_whole(len(seen), header[2], _REGISTER, context)  # a call cut short sets nothing
+        replica_step, restore_epoch = header[3], header[4]
         with run.cond:
             check_alive(context, _REGISTER)
-            return shard_pb2.RegisterTensorsResponse(initialised=run.initialise(decoded, header[1]))
+            if replica_step:  # gone back meanwhile: the replica is of a step to be done again
+                check_epoch(run, restore_epoch)
+            initialised = run.initialise(decoded, header[1])
+            if replica_step:
+                rule.hand_in(replica_step)
+                self._changed(run, rule)  # the checkpoint of that step may be due now
+            return shard_pb2.RegisterTensorsResponse(initialised=initialised)
 
     def Pull(self, request: shard_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         run, rule = self._run(request.run_id)
@@ -391,6 +402,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             with run.cond:
                 if run.closed:
                     raise NotFound(f"run {run.run_id!r} was closed on this shard")
+                if not rule.cut_ready():
+                    raise NotNow(
+                        f"run {run.run_id!r} checkpoints at its checkpoint steps, once its rank 0 "
+                        "handed its replica in: not now"
+                    )
                 sequence = saving.start(run, rule)
         outcome = saving.outcome(sequence, max(0.0, deadline - time.monotonic()))
         if outcome is None:
@@ -471,7 +487,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             elif not here:
                 run, rule = self._go_back(run, rule, saving, request.step, request.epoch)
         with run.cond:
-            if request.workers:  # resumed: new workers, the old ones' membership forgotten
+            if request.workers:  # the coordinator's, which the checkpoint's may predate: taken as they are
                 run.set_workers(request.workers)
                 run.membership_epoch = 0
             if request.membership_epoch >= run.membership_epoch:
@@ -538,6 +554,21 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         check_step(found[0], request.step)
         check_group(found[0], request.members)
         return found
+
+
+def _check_hand_in(run: RunState, rule: ShardRule, request: shard_pb2.RegisterTensorsRequest) -> None:
+    """Before a RegisterTensors call's values are read: a replica handed in (replica_step) only
+    where the scheme takes one, overwriting, at a step of the run and of the run's restore epoch."""
+    with run.cond:
+        if not request.replica_step:
+            check_epoch(run, run.restore_epoch)  # not while held: initial values come first
+            return
+        if not rule.takes_replicas:
+            raise Invalid(f"a {run.spec.scheme} run takes no replica from its workers: its model is on the shards")
+        if not request.overwrite:
+            raise Invalid("a replica handed in (replica_step) replaces the values: set overwrite")
+        check_epoch(run, request.restore_epoch)
+    check_step(run, request.replica_step)
 
 
 def _pull_route(

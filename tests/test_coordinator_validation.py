@@ -52,20 +52,26 @@ def coord(shards_only) -> Iterator[coordinator_pb2_grpc.CoordinatorServiceStub]:
 
 
 @pytest.fixture(scope="module")
-def lone() -> Iterator[coordinator_pb2_grpc.CoordinatorServiceStub]:
+def lone_address() -> Iterator[str]:
     """A coordinator alone on a small server (8 threads); a worker that joins is alive until 3 s
-    without a heartbeat."""
+    without a heartbeat. Its address."""
     server = make_server(max_workers=8)
     servicer = CoordinatorServicer(heartbeat_timeout_s=3.0)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     port = bind(server, 0)
     server.start()
     try:
-        with open_channel(f"127.0.0.1:{port}") as channel:
-            yield coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        yield f"127.0.0.1:{port}"
     finally:
         server.stop(grace=None)
         servicer.close()
+
+
+@pytest.fixture(scope="module")
+def lone(lone_address: str) -> Iterator[coordinator_pb2_grpc.CoordinatorServiceStub]:
+    """A stub of the lone coordinator (lone_address)."""
+    with open_channel(lone_address) as channel:
+        yield coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
 
 @contextmanager
@@ -175,6 +181,7 @@ BAD_SPECS = {
     "pseudosync alpha=5": dict(scheme="pseudosync", scheme_params=run_pb2.SchemeParams(alpha=5)),
     "pseudosync alpha=nan": dict(scheme="pseudosync", scheme_params=run_pb2.SchemeParams(alpha=NAN)),
     "pseudosync alpha_min=2": dict(scheme="pseudosync", scheme_params=run_pb2.SchemeParams(alpha_min=2)),
+    "pseudosync checkpoints every 10 s": dict(scheme="pseudosync", checkpoint_every_seconds=10),
     "asgd dc_lambda=nan": dict(scheme="asgd", scheme_params=run_pb2.SchemeParams(dc_lambda=NAN)),
     "asgd dc_lambda=-1": dict(scheme="asgd", scheme_params=run_pb2.SchemeParams(dc_lambda=-1)),
     "straggler_factor=nan": dict(straggler_factor=NAN),
@@ -220,13 +227,16 @@ def test_register_shard_takes_host_port_only(lone):
 # ---- GetAssignment's long poll (a coordinator alone) ------------------------------------------
 
 
-def test_get_assignment_long_poll_ends_with_its_caller_and_is_capped(lone, monkeypatch):
+def test_get_assignment_long_poll_ends_with_its_caller_and_is_capped(lone, lone_address, monkeypatch):
     worker_id = lone.JoinWorker(cpb.JoinWorkerRequest(name="poller"), timeout=10).worker_id
     poll = cpb.GetAssignmentRequest(worker_id=worker_id, wait_ms=2**32 - 1)
+    # Four connections, four callers: one may hold half the server's threads.
+    channels = [grpc.insecure_channel(lone_address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(4)]
+    stubs = [coordinator_pb2_grpc.CoordinatorServiceStub(c) for c in channels]
 
-    def gone(_) -> grpc.StatusCode:
+    def gone(i: int) -> grpc.StatusCode:
         try:
-            lone.GetAssignment(poll, timeout=0.5)
+            stubs[i % 4].GetAssignment(poll, timeout=0.5)
         except grpc.RpcError as e:
             return e.code()
         return grpc.StatusCode.OK
@@ -236,6 +246,8 @@ def test_get_assignment_long_poll_ends_with_its_caller_and_is_capped(lone, monke
         # out of time, whichever notices its deadline first): every thread comes back.
         with ThreadPoolExecutor(8) as pool:
             assert set(pool.map(gone, range(8))) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}
+        for channel in channels:
+            channel.close()
         time.sleep(0.5)
         workers = lone.GetCluster(cpb.GetClusterRequest(), timeout=1).workers
         assert [(w.worker_id, w.alive) for w in workers] == [(worker_id, True)]  # no poll ended by its death

@@ -107,11 +107,3 @@ def test_a_bad_scale_is_refused_in_one_line_and_changes_nothing(cluster, tmp_pat
         client.stop(run_id)
         code, output = _cli("scale", run_id, "--workers", "1", "--coordinator", cluster.address)
         assert code != 0 and "only a running run scales" in output and len(output.strip().splitlines()) == 1, output
-
-        pseudosync = client.submit(_spec("pseudosync", 100_000, workers=2))
-        _until("the pseudosync run never started", lambda: _step(client, pseudosync) >= 1)
-        with pytest.raises(grpc.RpcError) as refused:
-            client._stub.ScaleRun(cpb.ScaleRunRequest(run_id=pseudosync, workers=1))
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "its replicas are on its workers only" in refused.value.details()
-        client.stop(pseudosync)

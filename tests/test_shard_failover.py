@@ -169,6 +169,33 @@ def test_a_cluster_stopped_mid_run_and_started_again_resumes_the_run_to_the_same
     assert "resumed at step" in (tmp_path / "logs-2" / "coordinator.log").read_text()
 
 
+def test_a_stopped_pseudosync_run_resumes_from_the_replica_its_rank_0_handed_in(cluster, tmp_path):
+    """pseudosync keeps its model on its workers, but rank 0 hands its replica in at every
+    checkpoint step: a stopped run is taken up by new workers from the newest of them, with one
+    replica on every worker to the end."""
+    steps = 400
+    with Client(cluster.address) as client:
+        run_id = client.submit(_spec("pseudosync", steps))
+        _wait_for_step(client, run_id, 100)
+        client.stop(run_id)
+        deadline = time.monotonic() + 60  # its workers are done with it (they report its end)
+        while any(w.run_id for w in client.cluster().workers):
+            assert time.monotonic() < deadline, "the stopped run's workers never became idle"
+            time.sleep(0.1)
+        client.resume(run_id)
+        summary = follow(client, run_id, tmp_path, show_progress=False)
+        status = client.run(run_id).run
+        listed = client.checkpoints(run_id)
+    print(f"\npseudosync stopped and resumed: accuracy {summary['final_test_accuracy']}")
+    assert summary["state"] == "completed", summary
+    done = [m for m in status.latest if m.done]
+    assert sorted(m.rank for m in done) == [0, 1] and all(m.step == steps for m in done), done
+    assert len({m.weights_digest for m in done}) == 1, done
+    assert summary["final_test_accuracy"] >= 0.9, summary
+    assert all(c.step % CHECKPOINT_EVERY == 0 for c in listed.checkpoints) and listed.checkpoints
+    assert "resumed at step" in _log(cluster)
+
+
 def test_a_run_that_cannot_resume_says_why_in_one_line(cluster):
     with Client(cluster.address) as client:
         with pytest.raises(GradpsError, match="NOT_FOUND"):
@@ -188,6 +215,7 @@ def test_a_run_that_cannot_resume_says_why_in_one_line(cluster):
     [
         "sync",
         "wagma",
+        "pseudosync",
         pytest.param("asgd", marks=pytest.mark.slow),
         pytest.param("ssp", marks=pytest.mark.slow),
     ],
@@ -221,6 +249,8 @@ def test_a_new_worker_takes_the_rank_of_a_killed_one_and_the_run_ends_with_every
     done = [m for m in status.latest if m.done]
     assert sorted(m.rank for m in done) == [0, 1] and all(m.step == steps for m in done), done
     assert summary["final_test_accuracy"] >= 0.9, summary
+    if scheme == "pseudosync":  # the new worker took up the replica the others went back to
+        assert status.rolled_back_steps > 0 and len({m.weights_digest for m in done}) == 1, done
 
 
 def test_gradps_checkpoint_has_every_shard_write_one_now(cluster, tmp_path):

@@ -19,7 +19,7 @@ from gradps import wire
 from gradps.codecs import encode_part, parse_codec
 from gradps.parameter_client import tensor_specs
 from gradps.placement import place
-from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
+from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from tests.joined_run import NONE, join_run, leave
 from tests.test_data_stream import _in_process_shards, _open_run, _part, _push_request, _rejected, _shard
 
@@ -106,15 +106,18 @@ def _group_average(stub, *args, **kwargs) -> dict[tuple[str, int], np.ndarray]:
 def test_a_waiting_call_frees_its_thread_when_its_client_gives_up(waiting):
     """More waiting calls than the server has threads (8), given up by their clients (deadline or
     cancel): the shard still answers at once. Each would otherwise hold a thread for its whole wait
-    (a pull's wait_ms up to 49 days, a global round 30 s)."""
+    (a pull's wait_ms up to 49 days, a global round 30 s). The calls come over three connections,
+    as many callers (one may hold half the threads: 4 calls)."""
     tensors = {"w": torch.zeros(4)}
     with _in_process_shards([None]) as (address,), _shard(address) as stub:
+        callers: list[shard_pb2_grpc.ShardServiceStub] = []
+        made = iter(range(1_000_000))
         if waiting == "pull":
             _open_run([address], tensors, [0], 1 << 20)  # never registered: no pull is ever ready
 
             def call(timeout=None):
                 request = shard_pb2.PullRequest(run_id="r1", worker_id=0, min_version=5, wait_ms=2**32 - 1)
-                return stub.Pull(request, timeout=timeout)
+                return callers[next(made) % 3].Pull(request, timeout=timeout)
         else:
             placement = place(tensor_specs(tensors), [address], 1 << 20)
             stub.OpenRun(
@@ -126,11 +129,15 @@ def test_a_waiting_call_frees_its_thread_when_its_client_gives_up(waiting):
             deposit = [_part(placement.parts[0], payload=_values(placement.parts[0], 1.0))]
 
             def call(timeout=None):  # worker 1 never deposits: the round waits for it
-                return stub.GroupAverage(
+                return callers[next(made) % 3].GroupAverage(
                     _deposit_requests("r1", 0, 0, [0, 1], deposit, is_global=True), timeout=timeout
                 )
 
         for timeout in (0.5, None):  # given up at the deadline, then cancelled without one
+            channels = [
+                grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(3)
+            ]
+            callers[:] = [shard_pb2_grpc.ShardServiceStub(c) for c in channels]  # new callers each time
             calls = [call(timeout) for _ in range(12)]
             time.sleep(0.5)
             for c in calls:
@@ -144,6 +151,8 @@ def test_a_waiting_call_frees_its_thread_when_its_client_gives_up(waiting):
                     list(c)
                 codes.add(err.value.code())
             assert codes <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+            for channel in channels:
+                channel.close()
 
 
 # --- 2. a deposit covers the shard's parts once, for members of the run -------------------------------
@@ -383,6 +392,26 @@ def test_initial_values_with_a_lossy_codec_are_invalid_argument(shards_only, cod
             payload, _ = encode_part(torch.ones(p.count), params, lz4_threshold=None)
             part = _part(p, params, payload=payload)
             _rejected(lambda: _register(stub, run_id, part, overwrite=True), INVALID, "codec none")
+            assert _weights(stub, run_id, worker) == before
+
+
+@pytest.mark.parametrize(
+    "scheme, fields, words",
+    [
+        ("sync", dict(overwrite=True, replica_step=1), "takes no replica from its workers"),
+        ("pseudosync", dict(overwrite=False, replica_step=1), "set overwrite"),
+        ("pseudosync", dict(overwrite=True, replica_step=101), "beyond the run's 100 steps"),
+    ],
+)
+def test_a_bad_replica_hand_in_is_invalid_argument_and_changes_nothing(shards_only, scheme, fields, words):
+    tensors = {"w": torch.randn(64)}
+    with _joined(shards_only.address, _spec(scheme), tensors) as (run_id, (worker,), placement):
+        (p,) = placement.parts
+        with _shard(placement.shards[p.shard]) as stub:
+            before = _weights(stub, run_id, worker)
+            request = shard_pb2.RegisterTensorsRequest(run_id=run_id, part_count=1, **fields)
+            request.part.CopyFrom(_part(p, payload=_values(p, 1.0)))
+            _rejected(lambda: stub.RegisterTensors(iter([request]), timeout=10), INVALID, words)
             assert _weights(stub, run_id, worker) == before
 
 

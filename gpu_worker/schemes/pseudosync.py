@@ -14,6 +14,12 @@ already smooths them: a second, adaptive smoothing in front of it compounds the 
 0.9 the run never reached 95% on digits; adaptive with the momentum lowered by 1 - a took 530
 steps; a = 1 took 230, as sync's 110-210). So with such an optimizer a = 1 unless a fixed a
 is asked for.
+
+The replica lives here alone, so rank 0 hands it in at the start of every checkpoint step (the
+shards checkpoint that step once they hold it: ps_server/schemes/pseudosync.py). Where the run
+goes back to a checkpoint (a shard restarted, a new worker enters, the run resumes), every worker
+takes that step's replica from the shards, with the prediction and the optimizer's state afresh:
+the replicas are one again.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class PseudosyncWorker(WorkerScheme):
         self.adaptive = not sp.fixed_alpha
         if self.adaptive and averages_gradients(replica.spec.optimizer):
             self.alpha, self.adaptive = 1.0, False
+        self._alpha_at_start = self.alpha
+        self.hand_in_every = replica.spec.checkpoint_every_steps if replica.assignment.rank == 0 else 0
         self.optimizer = ScheduledOptimizer(list(self.params.values()), replica.spec.optimizer, replica.total_steps)
         self.predicted: dict[str, torch.Tensor] | None = None
         # One thread each: pushes go out in step order, and G_t is fetched while the worker
@@ -48,7 +56,8 @@ class PseudosyncWorker(WorkerScheme):
         self._fetching: Future | None = None
 
     def start(self) -> None:
-        self.client.pull(self.params)
+        """The initial replica; past step 0 (joining, resumed), the replica handed in there."""
+        self._take_up(self.replica.start_step)
 
     def after_backward(self, step: int) -> int:
         grads = {n: g.clone() for n, g in self.replica.grads().items()}
@@ -58,7 +67,11 @@ class PseudosyncWorker(WorkerScheme):
         if self._fetching is not None:
             self._apply_global(self._fetching.result())
         self._fetching = self._fetcher.submit(self._fetch, step)
-        return step + 1
+        following = step + 1
+        if self.hand_in_every and following % self.hand_in_every == 0 and following < self.replica.total_steps:
+            # The replica at the start of the checkpoint step, before its gradient is pushed.
+            self.client.register(self.params, overwrite=True, replica_step=following)
+        return following
 
     def _fetch(self, step: int) -> dict[str, torch.Tensor]:
         """G_step, once every live worker pushed step `step` (runs in the background)."""
@@ -89,15 +102,27 @@ class PseudosyncWorker(WorkerScheme):
         return min(1.0, max(self.alpha_min, (self.alpha + (1.0 - cosine)) / 2))
 
     def went_back(self, step: int) -> None:
-        """The shards went back to step `step` (one restarted): the model lives here, so the
-        replica stays as it is and the steps from `step` on push gradients of it again; the
-        exchanges of the abandoned steps end (told so too) and the prediction starts afresh."""
+        """The run went back to its checkpoint at `step`: the exchanges of the abandoned steps end
+        (told so too), and the replica becomes the one handed in there."""
         for pending in (self._pushing, self._fetching):
             if pending is not None:
                 with contextlib.suppress(RolledBack, grpc.RpcError):
                     pending.result()
         self._pushing = self._fetching = None
-        self.predicted = None
+        self._take_up(step)
+
+    def _take_up(self, step: int) -> None:
+        """Start at `step` as every other worker does: the shards' replica (handed in at `step`,
+        the initial one at 0), the prediction and the optimizer afresh at that point of the
+        schedule, and G_{step-1} to apply after this step's push (as the pipeline had it)."""
+        self.client.pull(self.params)
+        self.predicted, self.alpha = None, self._alpha_at_start
+        self.optimizer = ScheduledOptimizer(
+            list(self.params.values()), self.replica.spec.optimizer, self.replica.total_steps
+        )
+        self.optimizer.updates = max(0, step - 1)  # applied after steps 1 .. step-1
+        if step:
+            self._fetching = self._fetcher.submit(self._fetch, step - 1)
 
     def finish(self, steps_done: int) -> None:
         """Apply the last step's global gradient; rank 0 publishes the replica for export."""
@@ -107,5 +132,5 @@ class PseudosyncWorker(WorkerScheme):
             self._apply_global(self._fetching.result())
         self._pusher.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
-        if self.replica.assignment.rank == 0:
-            self.client.register(self.params, overwrite=True)
+        if self.replica.assignment.rank == 0:  # the last hand-in: a completed run's checkpoint holds it
+            self.client.register(self.params, overwrite=True, replica_step=self.replica.total_steps)

@@ -176,8 +176,9 @@ class CoordinatorServiceServicer:
         """Admin: take up a failed or stopped run again, as it was at its newest step checkpointed on
         every shard (also after the whole cluster restarted, with state dirs): it waits for free
         workers as a new run does, its shards go back to that step, and its new workers start there
-        with that step's data position; WatchRun shows its events from the resume on. sync, asgd
-        and ssp (wagma and pseudosync keep their models on the workers). NOT_FOUND for an unknown run; FAILED_PRECONDITION for one that is pending,
+        with that step's data position; WatchRun shows its events from the resume on. sync, asgd,
+        ssp and pseudosync (whose rank 0 hands its replica in at its checkpoint steps); wagma keeps
+        its models on the workers. NOT_FOUND for an unknown run; FAILED_PRECONDITION for one that is pending,
         running or completed, was never placed, whose shards freed it, or of another scheme.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -215,8 +216,8 @@ class CoordinatorServiceServicer:
         ListRunCheckpoints lists; also of an ended run whose shards keep it, or of a restarted
         shard): NOT_FOUND when a shard has no checkpoint at that step (the message names the shard
         and the steps it has), DATA_LOSS when one does not read back whole (the message names the
-        file), FAILED_PRECONDITION for a wagma or pseudosync run (its model is on its workers, and
-        on the shards only once the run completed). Nothing changes on the shards either way.
+        file), FAILED_PRECONDITION for a wagma run (its models are on its workers, and on the
+        shards only once the run completed). Nothing changes on the shards either way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -233,13 +234,13 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ScaleRun(self, request, context):
-        """Admin: how many of a running run's ranks take workers, between 1 and its spec's `workers`
-        (sync, asgd, ssp, wagma). Fewer: the workers of the highest ranks leave the run at once (their
-        next call or heartbeat tells them; they go back to the idle pool) and their ranks wait
-        empty, their data untrained meanwhile. More: idle workers take the empty ranks, now or as
-        they come, each as a worker that joins in a lost one's rank. NOT_FOUND for an unknown run;
-        FAILED_PRECONDITION for a run not running, a pseudosync run (its replicas are on its workers
-        only) or a launched one; INVALID_ARGUMENT for a count out of range.
+        """Admin: how many of a running run's ranks take workers, between 1 and its spec's `workers`.
+        Fewer: the workers of the highest ranks leave the run at once (their next call or heartbeat
+        tells them; they go back to the idle pool) and their ranks wait empty, their data untrained
+        meanwhile. More: idle workers take the empty ranks, now or as they come, each as a worker
+        that joins in a lost one's rank. NOT_FOUND for an unknown run;
+        FAILED_PRECONDITION for a run not running or a launched one; INVALID_ARGUMENT for a count
+        out of range.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

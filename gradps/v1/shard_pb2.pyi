@@ -91,16 +91,20 @@ class SetMembershipResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterTensorsRequest(_message.Message):
-    __slots__ = ("run_id", "part", "overwrite", "part_count")
+    __slots__ = ("run_id", "part", "overwrite", "part_count", "replica_step", "restore_epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     PART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     part: _tensor_pb2.TensorPart
     overwrite: bool
     part_count: int
-    def __init__(self, run_id: _Optional[str] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., overwrite: _Optional[bool] = ..., part_count: _Optional[int] = ...) -> None: ...
+    replica_step: int
+    restore_epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., overwrite: _Optional[bool] = ..., part_count: _Optional[int] = ..., replica_step: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterTensorsResponse(_message.Message):
     __slots__ = ("initialised",)

@@ -23,6 +23,9 @@ class ShardRule(ABC):
     # sends a part's bytes over time (a data stream) sends a snapshot. False for sync, where the
     # next update waits for the puller's own next push.
     pulls_race_updates: ClassVar[bool] = True
+    # True where the model lives on the workers and one hands its replica in at checkpoint steps
+    # (pseudosync): a RegisterTensors with replica_step is taken, and hand_in told.
+    takes_replicas: ClassVar[bool] = False
 
     def __init__(self, run: RunState) -> None:
         self.run = run
@@ -54,6 +57,15 @@ class ShardRule(ABC):
     def load(self, saved: Saved) -> None:  # noqa: B027 (optional hook)
         """Take back what `save` put (tensors on the run's device): a restarted shard. Raises
         KeyError or ValueError (TypeError) for a checkpoint that does not hold it."""
+
+    def cut_ready(self) -> bool:
+        """Whether the run's state here is one a checkpoint may be taken of now: what a worker
+        hands in for it (hand_in) is here too. Always, by default."""
+        return True
+
+    def hand_in(self, step: int) -> None:  # noqa: B027 (optional hook)
+        """A worker's replica at the start of `step` was just written into the parts (a
+        RegisterTensors with replica_step; only where `takes_replicas`)."""
 
     def membership_changed(self) -> None:  # noqa: B027 (optional hook)
         """The live workers changed; finish anything that was waiting for the dead."""
