@@ -265,7 +265,7 @@ def _local_tls_option(fn: F) -> F:
     metavar="RUN",
     default=None,
     help="Take up the failed or stopped run RUN again, on the cluster that ran it (--coordinator), from its "
-    "newest step checkpointed on every shard (not wagma); it keeps its own spec (run options are ignored).",
+    "newest step checkpointed on every shard; it keeps its own spec (run options are ignored).",
 )
 @one_line_errors
 def train(

@@ -136,7 +136,7 @@ class Client:
 
     def resume(self, run_id: str) -> None:
         """Take up a failed or stopped run again from its newest step checkpointed on every shard
-        (not wagma; the shards need a state dir and the run --checkpoint-every): it waits for
+        (the shards need a state dir and the run --checkpoint-every): it waits for
         free workers as a new run does."""
         self._call("ResumeRun", cpb.ResumeRunRequest(run_id=run_id))
 

@@ -69,6 +69,10 @@ class Scheme:
     # checkpoint step (steps, not seconds), and every worker takes it up from the shards where
     # the run goes back to a checkpoint, a new worker enters with the others, or a run resumes.
     hands_in_replica: bool = False
+    # Each worker keeps a model of its own, which the shards hold only as the workers' latest
+    # deposits: a checkpoint holds no one model to export, and a worker that starts past step 0
+    # (joining, resumed) takes the consensus of the deposits.
+    models_on_workers: bool = False
 
 
 _STALENESS_LR = Param("staleness_lr", bool, False, "lr / max(1, staleness).")
@@ -113,6 +117,7 @@ _ALL = (
             Param("group_size", int, 0, "group size (0: ~sqrt(P)).", low=0, high=UINT32),
             Param("tau", int, 10, "global average every tau steps.", low=1, high=UINT32, zero_is_default=True),
         ),
+        models_on_workers=True,
     ),
     Scheme(
         "pseudosync",

@@ -98,9 +98,6 @@ _WORKER_IDS_RESERVED = "worker_ids_reserved"
 # running (they train on against the shards, and heartbeat with their ids once it answers: gRPC's
 # reconnect backoff may take a few seconds); one silent for longer is declared dead as usual.
 _REJOIN_GRACE_TIMEOUTS = 5
-# Schemes whose state is on the shards, so that new workers can take a run of them up again
-# (pseudosync's replica is handed in at its checkpoint steps; wagma's models are the workers').
-RESUMABLE = ("sync", "asgd", "ssp", "pseudosync")
 # Why such a run fails when none of them came back.
 RESTARTED_MESSAGE = (
     "coordinator restarted while the run was running, and none of its workers came back; "
@@ -314,11 +311,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             status = record.status
             if status.state not in (cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED):
                 raise NotNow(f"run {record.run_id} is {_state_name(record)}: only a failed or stopped run resumes")
-            if status.spec.scheme not in RESUMABLE:
-                raise NotNow(
-                    f"a {status.spec.scheme} run keeps its model on its workers, which are gone: it cannot resume "
-                    f"(resumable: {', '.join(RESUMABLE)})"
-                )
             if status.spec.script:
                 raise NotNow(f"run {record.run_id}'s workers were the script {status.spec.script}: launch it again")
             if record.placement is None or not record.opened_on_shards:
@@ -452,7 +444,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         run_id, holders = self._checkpointed(run_id)
         with self._cond:
             scheme = self._record(run_id).status.spec.scheme
-        if scheme not in RESUMABLE:
+        if get_scheme(scheme).models_on_workers:
             raise NotNow(
                 f"a {scheme} run keeps its model on its workers: its shards' checkpoints do not hold it "
                 "(export the run once it completed)"

@@ -165,3 +165,14 @@ def test_a_consensus_before_any_deposit_is_the_registered_model():
     with rule.run.cond:
         out, _ = rule.consensus(0, [KEY])
     assert torch.equal(out[KEY], torch.full((4,), 3.0))
+
+
+def test_a_new_worker_counts_in_the_consensus_with_its_ranks_earlier_deposits():
+    rule = _rule(workers=(0, 1))
+    _deposit(rule, 0, 3, 2.0, members=(0, 1))
+    _deposit(rule, 1, 3, 6.0, members=(0, 1))
+    rule.run.set_workers([0, 9])  # worker 9 took rank 1 (joined, or the run resumed)
+    rule.run.set_live_workers({0, 9})
+    with rule.run.cond:
+        out, _ = rule.consensus(9, [KEY])
+    assert float(out[KEY][0]) == pytest.approx(4.0)  # worker 1's deposit stands for rank 1

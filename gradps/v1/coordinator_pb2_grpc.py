@@ -176,10 +176,10 @@ class CoordinatorServiceServicer:
         """Admin: take up a failed or stopped run again, as it was at its newest step checkpointed on
         every shard (also after the whole cluster restarted, with state dirs): it waits for free
         workers as a new run does, its shards go back to that step, and its new workers start there
-        with that step's data position; WatchRun shows its events from the resume on. sync, asgd,
-        ssp and pseudosync (whose rank 0 hands its replica in at its checkpoint steps); wagma keeps
-        its models on the workers. NOT_FOUND for an unknown run; FAILED_PRECONDITION for one that is pending,
-        running or completed, was never placed, whose shards freed it, or of another scheme.
+        with that step's data position; WatchRun shows its events from the resume on (pseudosync's
+        workers take up the replica its rank 0 handed in at that step, wagma's the consensus of the
+        models deposited). NOT_FOUND for an unknown run; FAILED_PRECONDITION for one that is pending,
+        running or completed, was never placed, whose shards freed it, or was launched.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -117,11 +117,30 @@ class WagmaRule(ShardRule):
         return {key: result[key] for key in deposit}, self.frontier
 
     def consensus(self, worker_id: int, keys: list[PartKey]) -> tuple[dict[PartKey, torch.Tensor], int]:
-        """The average of every live member's latest deposit, as of the newest step; nothing is
-        stored."""
+        """The average of every live member's latest deposit, as of the newest step (nothing is
+        stored). A member with none yet (it joined, the run resumed) counts with its rank's
+        newest deposit by an earlier holder; with no deposit at all, the registered model."""
         if worker_id not in self.run.live_workers:
             raise NotNow(f"worker {worker_id} is not a live member of the run")
-        return self._fix_round(self.frontier, frozenset(self.run.live_workers), keys), self.frontier
+        result = {}
+        for key in keys:
+            latest = (
+                self._deposit(m, key, self.frontier) if self.deposits.get(m, {}).get(key) else self._inherited(m, key)
+                for m in sorted(self.run.live_workers)
+            )
+            found = [v for v in latest if v is not None] or [self.run.parts[key].values]
+            total = found[0].clone()
+            for values in found[1:]:
+                total.add_(values)
+            result[key] = total.div_(len(found))
+        return result, self.frontier
+
+    def _inherited(self, worker: int, key: PartKey) -> torch.Tensor | None:
+        """The newest deposit of `key` by a worker that held `worker`'s rank before it."""
+        rank = self.run.ranks[worker]
+        histories = (self.deposits.get(w, {}).get(key) for w, r in self.run.ranks.items() if r == rank)
+        newest = max((h[-1] for h in histories if h), key=lambda d: d[0], default=None)
+        return None if newest is None else newest[1]
 
     def _check_kept(self, worker_id: int, step: int, deposit: dict[PartKey, torch.Tensor]) -> None:
         """Refuse, before anything changes, a deposit older than the rounds this shard still keeps:
@@ -145,12 +164,11 @@ class WagmaRule(ShardRule):
 
     def _fix_round(self, step: int, members: frozenset[int], keys: list[PartKey]) -> dict[PartKey, torch.Tensor]:
         """The average of each live member's latest deposit at or before `step`; members that
-        have not deposited yet, or only more than MAX_LAG steps before, are left out (with none
-        left, the run's registered model: a consensus asked for before any deposit)."""
+        have not deposited yet, or only more than MAX_LAG steps before, are left out."""
         result = {}
         for key in keys:
             deposits = (self._deposit(m, key, step) for m in sorted(members & self.run.live_workers))
-            found = [v for v in deposits if v is not None] or [self.run.parts[key].values]
+            found = [v for v in deposits if v is not None]
             total = found[0].clone()
             for values in found[1:]:
                 total.add_(values)
