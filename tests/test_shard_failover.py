@@ -199,16 +199,16 @@ def test_a_stopped_run_whose_model_is_on_its_workers_resumes(cluster, scheme, tm
     assert "resumed at step" in _log(cluster)
 
 
-def test_a_run_that_cannot_resume_says_why_in_one_line(cluster):
+def test_a_run_that_cannot_resume_says_why_in_one_line(cluster, tmp_path):
     with Client(cluster.address) as client:
         with pytest.raises(GradpsError, match="NOT_FOUND"):
             client.resume("no-such-run")
-        running = client.submit(_spec("wagma", 100_000))
-        _wait_for_step(client, running, 5)
+        completed = client.submit(_spec("wagma", CHECKPOINT_EVERY))
+        assert follow(client, completed, tmp_path, show_progress=False)["state"] == "completed"
         with pytest.raises(GradpsError, match="only a failed or stopped run resumes") as refused:
-            client.resume(running)
+            client.resume(completed)
         assert "\n" not in str(refused.value)
-        client.stop(running)
+        assert client.run(completed).run.state == cpb.RUN_STATE_COMPLETED
 
 
 @pytest.mark.parametrize(

@@ -171,10 +171,12 @@ def measure_step(
     console: Console | None = None,
     transport: str = "shm",
     checkpoint_every_s: float = 0.0,
+    allow_import: tuple[str, ...] = (),
 ) -> StepBreakdown:
     """Train `warmup + steps` steps of a real run on a local cluster and break the steps down.
     `checkpoint_every_s`: the shards checkpoint the run that often (in a temporary state dir,
-    which the coordinator keeps its runs in either way). The progress line goes to `console`."""
+    which the coordinator keeps its runs in either way). `allow_import`: prefixes of the model's
+    or dataset's import path the cluster accepts. The progress line goes to `console`."""
     spec = run_pb2.RunSpec(
         model=model,
         dataset=dataset,
@@ -192,7 +194,9 @@ def measure_step(
     with (
         ProgressLine(console, parts, f"starting {shards} shard{'s' * (shards > 1)} on {device}") as progress,
         tempfile.TemporaryDirectory() as tmp,
-        LocalCluster(shards=shards, workers=0, device=device, state_dir=Path(tmp) / "state") as cluster,
+        LocalCluster(
+            shards=shards, workers=0, device=device, state_dir=Path(tmp) / "state", allow_import=allow_import
+        ) as cluster,
     ):
         outs = [Path(tmp) / f"worker-{i}.json" for i in range(workers)]
         token = cluster.role_token("worker")
@@ -301,6 +305,11 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
     help="Seconds between the shards' checkpoints of the run (0: none); then one more after the run, "
     "timed beside a plain sequential write of as many bytes.",
 )
+@click.option(
+    "--allow-import",
+    multiple=True,
+    help="A package or module whose model or dataset --model/--dataset may import (repeatable).",
+)
 @json_option("Write the result here.")
 @one_line_errors
 def step(
@@ -316,6 +325,7 @@ def step(
     device: str,
     transport: str,
     checkpoint_every: float,
+    allow_import: tuple[str, ...],
     json_path: Path | None,
 ) -> None:
     """Time of one training step: compute, encode, push, wait, pull, decode, apply; overlap."""
@@ -326,7 +336,7 @@ def step(
     console = Console(stderr=True)
     b = measure_step(
         model, dataset, scheme, workers, shards, batch_size, steps, warmup, codec, device, console, transport,
-        checkpoint_every,
+        checkpoint_every, allow_import,
     )  # fmt: skip
     print_breakdown(b, table_console())
     if json_path:

@@ -26,8 +26,8 @@ class WagmaWorker(WorkerScheme):
         self._consensus: torch.nn.Module | None = None  # a copy of the model, for evaluation
 
     def start(self) -> None:
-        """The initial weights; for a worker that joins the running run, the consensus of the
-        live workers' latest models (its rank's earlier holder's model is gone with it)."""
+        """The initial weights; for a worker that starts past step 0 (it joins the running run,
+        or the run resumed), the consensus of the workers' latest models as the shards hold them."""
         if self.replica.start_step:
             self._take_consensus(self.params)
         else:
