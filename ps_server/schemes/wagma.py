@@ -128,11 +128,7 @@ class WagmaRule(ShardRule):
                 self._deposit(m, key, self.frontier) if self.deposits.get(m, {}).get(key) else self._inherited(m, key)
                 for m in sorted(self.run.live_workers)
             )
-            found = [v for v in latest if v is not None] or [self.run.parts[key].values]
-            total = found[0].clone()
-            for values in found[1:]:
-                total.add_(values)
-            result[key] = total.div_(len(found))
+            result[key] = _mean([v for v in latest if v is not None] or [self.run.parts[key].values])
         return result, self.frontier
 
     def _inherited(self, worker: int, key: PartKey) -> torch.Tensor | None:
@@ -168,11 +164,7 @@ class WagmaRule(ShardRule):
         result = {}
         for key in keys:
             deposits = (self._deposit(m, key, step) for m in sorted(members & self.run.live_workers))
-            found = [v for v in deposits if v is not None]
-            total = found[0].clone()
-            for values in found[1:]:
-                total.add_(values)
-            result[key] = total.div_(len(found))
+            result[key] = _mean([v for v in deposits if v is not None])
         return result
 
     def _prune(self) -> None:
@@ -181,3 +173,11 @@ class WagmaRule(ShardRule):
         oldest_needed = min(newest, default=0)
         for key in [k for k in self.rounds if k[0] < oldest_needed]:
             del self.rounds[key]
+
+
+def _mean(models: list[torch.Tensor]) -> torch.Tensor:
+    """The elementwise mean of `models` (at least one), in a new tensor, summed in their order."""
+    total = models[0].clone()
+    for values in models[1:]:
+        total.add_(values)
+    return total.div_(len(models))
