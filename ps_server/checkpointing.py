@@ -224,9 +224,8 @@ class RunCheckpoints:
         `load_step` does, for reading only: nothing here changes (not when the next checkpoint is
         due). None when there is no checkpoint at `step`; the newest one's CheckpointError when
         none there reads back whole."""
-        at_step = [sequence for sequence, listed in self.listing().items() if listed.step == step]
         refused: CheckpointError | None = None
-        for sequence in reversed(at_step):
+        for sequence in reversed(self._at_step(step)):
             try:
                 snapshot = checkpoint.read(self._path(sequence), self.expected, device)
                 run, _ = checkpoint.restore(snapshot, self.request, device)
@@ -239,8 +238,7 @@ class RunCheckpoints:
 
     def load_step(self, step: int, device: torch.device) -> tuple[RunState, ShardRule, Written] | None:
         """The run from its newest checkpoint at `step` that reads back whole (None: none does)."""
-        at_step = [sequence for sequence, listed in self.listing().items() if listed.step == step]
-        return self.load_latest(device, at_step)
+        return self.load_latest(device, self._at_step(step))
 
     def load_latest(
         self, device: torch.device, sequences: list[int] | None = None
@@ -260,6 +258,10 @@ class RunCheckpoints:
             nbytes = sum(int(f["bytes"]) for f in m["files"].values())
             return run, rule, Written(path, sequence, m["step"], m["min_version"], m["max_version"], nbytes, 0.0)
         return None
+
+    def _at_step(self, step: int) -> list[int]:
+        """Sequence numbers of the complete checkpoints at `step`, oldest first."""
+        return [sequence for sequence, listed in self.listing().items() if listed.step == step]
 
     def _path(self, sequence: int) -> Path:
         return self.folder / f"{checkpoint.PREFIX}{sequence:08d}"
