@@ -579,7 +579,8 @@ def stop(run_id: str, coordinator: str) -> None:
 @_coordinator_option
 @one_line_errors
 def checkpoint(run_id: str, coordinator: str) -> None:
-    """Have every shard of a run write a checkpoint of it now (shards with a --state-dir)."""
+    """Have every shard of a run write a checkpoint of it now (shards with a --state-dir); sync
+    and pseudosync at the next cut, a few steps ahead, the same step on every shard."""
     with Client(coordinator, timeout_s=600) as client:  # a large model's checkpoint takes a while
         written = client.checkpoint(run_id)
     for c in written:

@@ -23,8 +23,10 @@ import torch
 from gpu_worker.schemes import WORKER_SCHEMES
 from gpu_worker.schemes.base import Replica
 from gradps import metrics
+from gradps.cuts import Cuts
 from gradps.errors import RolledBack
 from gradps.parameter_client import ParameterClient, tensor_specs
+from gradps.schemes import get_scheme
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
 
@@ -75,6 +77,8 @@ class Trainer:
             self.spec.codec,
             self.spec.pull_codec,
             transport=transport,
+            # Rank 0 declares the cuts where the shards must checkpoint one step together.
+            cuts=Cuts(self.spec, declares=assignment.rank == 0 and get_scheme(self.spec.scheme).common_cut),
         )
         # 0, the step a resumed run's shards went back to, or where a worker joining a running run enters.
         self.steps_done = placed.start_step
@@ -154,7 +158,7 @@ class Trainer:
             _LOGGER.warning(
                 "run %s: a shard restarted; going back from step %d to %d", self.assignment.run_id, step, told.step
             )
-            self.client.restore_epoch = told.epoch
+            self.client.go_back(told.epoch)
             try:
                 self.scheme.went_back(told.step)
                 break

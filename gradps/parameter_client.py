@@ -14,11 +14,12 @@ import torch
 
 from gradps.codecs import CodecError, ErrorFeedback, decode_part, encode_part, is_plain, plain_payload
 from gradps.codecs.base import require_finite
+from gradps.cuts import Cuts
 from gradps.placement import ITEMSIZE, PartKey
 from gradps.shard_link import ShardLink
 from gradps.shared_memory import nbytes
 from gradps.transport import TRANSPORTS, Buffer, DataStreamRoute, Inbound, Item, SharedMemoryRoute
-from gradps.v1 import shard_pb2, tensor_pb2
+from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
 T = TypeVar("T")
@@ -68,10 +69,12 @@ class ParameterClient:
         timeout_s: float = 120.0,
         transport: str = "shm",
         local_shards: Collection[int] | None = None,
+        cuts: Cuts | None = None,
     ) -> None:
         """`transport`: one of TRANSPORTS (gradps/transport/). `local_shards`: where "shm" may try
         shared memory (None: every shard; those on another host refuse the segment).
-        `gradps bench transport` names them to place each shard on an emulated host of its own."""
+        `gradps bench transport` names them to place each shard on an emulated host of its own.
+        `cuts`: the run's checkpoint cuts (gradps/cuts.py; None: none)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
         for t in placement.tensors:
@@ -88,8 +91,10 @@ class ParameterClient:
         # run restarted and the run went back to a checkpoint, calls raise gradps.errors.RolledBack
         # until the worker goes back and sets the epoch it was told.
         self.restore_epoch = 0
-        # Error feedback residuals live as long as this placement does.
+        # Error feedback residuals live as long as this placement does, each sent whole in the
+        # push before a cut.
         self.feedback = ErrorFeedback()
+        self.cuts = cuts or Cuts(run_pb2.RunSpec(), declares=False)
         self.versions: dict[PartKey, int] = {}
         self._parts: list[list[shard_pb2.PartPlacement]] = [[] for _ in placement.shards]
         for p in placement.parts:
@@ -124,6 +129,12 @@ class ParameterClient:
     def streamed_shards(self) -> list[int]:
         """Shards whose payloads go through a data stream (that is still open)."""
         return [s for s, link in enumerate(self.links) if isinstance(link.route, DataStreamRoute) and link.route.open]
+
+    def go_back(self, epoch: int) -> None:
+        """The run went back to a cut, at restore epoch `epoch`: calls carry the epoch, and no
+        residual is carried on (there was none at the cut)."""
+        self.restore_epoch = epoch
+        self.feedback = ErrorFeedback()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -164,8 +175,10 @@ class ParameterClient:
         start = time.perf_counter()
         weights = not request.gradient  # a weight's version is what the next push was computed on
         take = self._taker(flat, record_versions=weights)
-        received = self._each_shard(lambda link: link.pull(request, take))
-        self.traffic.bytes_pulled += sum(received)
+        answers = self._each_shard(lambda link: link.pull(request, take))
+        for _, cut_step in answers:
+            self.cuts.learn(cut_step)
+        self.traffic.bytes_pulled += sum(received for received, _ in answers)
         elapsed = time.perf_counter() - start
         self.traffic.pull_s += elapsed
         self.traffic.wait_s += elapsed
@@ -173,9 +186,13 @@ class ParameterClient:
     def push(self, grads: dict[str, torch.Tensor], step: int) -> int:
         """Push one gradient (compressed with the run's codec); returns the max staleness."""
         header = shard_pb2.PushRequest(
-            run_id=self.run_id, worker_id=self.worker_id, step=step, restore_epoch=self.restore_epoch
+            run_id=self.run_id,
+            worker_id=self.worker_id,
+            step=step,
+            restore_epoch=self.restore_epoch,
+            cut_step=self.cuts.declaration(step),
         )
-        return self._push(grads, lambda link, items: (link.push(header, items), 0))
+        return self._push(grads, step, lambda link, items: (link.push(header, items), 0))
 
     def push_pull(
         self,
@@ -191,17 +208,27 @@ class ParameterClient:
         wait_ms = int(self.timeout_s * 1000)
         pull = shard_pb2.PullRequest(min_version=min_version, clock=clock, codec=self.pull_codec, wait_ms=wait_ms)
         header = shard_pb2.PushPullRequest(
-            run_id=self.run_id, worker_id=self.worker_id, step=step, pull=pull, restore_epoch=self.restore_epoch
+            run_id=self.run_id,
+            worker_id=self.worker_id,
+            step=step,
+            pull=pull,
+            restore_epoch=self.restore_epoch,
+            cut_step=self.cuts.declaration(step),
         )
         flat = {name: t.data.view(-1) for name, t in into.items()}
         self._pin_segments(flat.values())
         take = self._taker(flat, record_versions=True)
-        return self._push(grads, lambda link, items: link.push_pull(header, items, take))
+        return self._push(grads, step, lambda link, items: link.push_pull(header, items, take))
 
     def _push(
-        self, grads: dict[str, torch.Tensor], call: Callable[[ShardLink, _Replay], tuple[shard_pb2.PushResponse, int]]
+        self,
+        grads: dict[str, torch.Tensor],
+        step: int,
+        call: Callable[[ShardLink, _Replay], tuple[shard_pb2.PushResponse, int]],
     ) -> int:
         """`call(link, encoded parts)` for every shard in parallel: (its push response, bytes pulled)."""
+        # The push before a cut carries the residuals whole: a checkpoint there holds them.
+        whole = self.cuts.is_cut(step + 1)
         # On the gradients' device: a lossless part goes from there into shared memory in one copy.
         flat = {name: g.detach().reshape(-1).float() for name, g in grads.items()}
         self._pin_segments(flat.values())
@@ -211,8 +238,9 @@ class ParameterClient:
             # Encoded while earlier parts are on the wire (gRPC consumes the messages from its own
             # thread), and kept: a retry frames them again without encoding again, which would
             # apply the error feedback twice.
-            encoded = _Replay(self._encoded(link.index, flat))
+            encoded = _Replay(self._encoded(link.index, flat, whole))
             response, pulled = call(link, encoded)
+            self.cuts.learn(response.cut_step, response.cut_asked)
             return response.staleness, encoded.bytes, pulled
 
         results = self._each_shard(send, pool=self._push_pool)
@@ -267,20 +295,29 @@ class ParameterClient:
         for p in self._parts[shard]:
             yield self._meta(p, _NONE), flat[p.name][p.offset : p.offset + p.count]
 
-    def _encoded(self, shard: int, flat: dict[str, torch.Tensor]) -> Iterator[tuple[tensor_pb2.TensorPart, object]]:
-        """The shard's parts of the gradient `flat`, encoded with the run's codec (timed)."""
+    def _encoded(
+        self, shard: int, flat: dict[str, torch.Tensor], whole: bool = False
+    ) -> Iterator[tuple[tensor_pb2.TensorPart, object]]:
+        """The shard's parts of the gradient `flat`, encoded with the run's codec (timed); with
+        `whole`, each with its error-feedback residual added, as it is (codec none)."""
         for p in self._parts[shard]:
             began = time.perf_counter()
             values = flat[p.name][p.offset : p.offset + p.count]
             payload: torch.Tensor | bytes
-            if is_plain(self.codec) and values.is_contiguous():
+            codec = self.codec
+            if whole and not is_plain(codec):
+                # The gradient and the residual as they are, the residual left empty.
+                codec = _NONE
+                payload, lz4 = self.feedback.drain((p.name, p.index), values.cpu()), False
+                require_finite(payload, "none: values to encode")
+            elif is_plain(self.codec) and values.is_contiguous():
                 # Lossless: the values themselves (on their device), copied once, into the segment
                 # or the message, after the check the codec makes.
                 require_finite(values, "none: values to encode")
                 payload, lz4 = values, False
             else:
                 payload, lz4 = encode_part(values.cpu(), self.codec, feedback=self.feedback, key=(p.name, p.index))
-            meta = self._meta(p, self.codec)
+            meta = self._meta(p, codec)
             meta.lz4 = lz4
             self.traffic.encode_s += time.perf_counter() - began
             yield meta, payload

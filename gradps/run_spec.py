@@ -78,7 +78,7 @@ def validate(spec: run_pb2.RunSpec) -> None:
     Every field is checked, whichever scheme reads it: a spec the coordinator accepts must not
     fail later on a shard or a worker, nor wait for workers that can never join.
     """
-    scheme = get_scheme(spec.scheme)
+    get_scheme(spec.scheme)  # an unknown scheme is refused here
     validate_optimizer(spec.optimizer)
     _validate_sizes(spec)
     _validate_codecs(spec)
@@ -88,11 +88,6 @@ def validate(spec: run_pb2.RunSpec) -> None:
         raise ValueError(
             f"backup_workers (--backup-workers) must be below workers={spec.workers}, "
             f"got {spec.scheme_params.backup_workers}"
-        )
-    if scheme.hands_in_replica and spec.checkpoint_every_seconds:
-        raise ValueError(
-            f"{spec.scheme} checkpoints at steps, where its rank 0 hands its replica in: "
-            "give checkpoint_every_steps (--checkpoint-every N), not seconds"
         )
 
 

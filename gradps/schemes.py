@@ -63,10 +63,10 @@ class Scheme:
     params: tuple[Param, ...] = ()
     # After a shard restarts, every shard and worker of the run goes back to one checkpointed
     # step (its versions count steps); else the restarted shard goes on from its own checkpoint
-    # (ps_server/recovery.py).
+    # (ps_server/recovery.py). Its checkpoints are at cuts that rank 0 declares (gradps/cuts.py).
     common_cut: bool = False
-    # Its model lives on the workers, one replica for all: rank 0 hands it in at every
-    # checkpoint step (steps, not seconds), and every worker takes it up from the shards where
+    # Its model lives on the workers, one replica for all: rank 0 hands it in at every cut
+    # (gradps/cuts.py), and every worker takes it up from the shards where
     # the run goes back to a checkpoint, a new worker enters with the others, or a run resumes.
     hands_in_replica: bool = False
     # Each worker keeps a model of its own, which the shards hold only as the workers' latest

@@ -121,17 +121,20 @@ class ShardLink:
 
         return self._attempts(call, send=True, receive=False, retry=_RETRYABLE)
 
-    def pull(self, request: shard_pb2.PullRequest, take: Take) -> int:
-        """Pull `request`, each part handed to `take`; returns the payload bytes received."""
+    def pull(self, request: shard_pb2.PullRequest, take: Take) -> tuple[int, int]:
+        """Pull `request`, each part handed to `take`; returns the payload bytes received and the
+        cut the answer names (PullResponse.cut_step)."""
 
-        def call(_: Outbound, inbound: Inbound) -> int:
+        def call(_: Outbound, inbound: Inbound) -> tuple[int, int]:
             named = shard_pb2.PullRequest()
             named.CopyFrom(request)
             inbound.name_in(named)
-            received = 0
+            received = cut_step = 0
             for message in self._pull(named, timeout=self.timeout_s + 5):
-                received += sum(take(meta, inbound, data) for meta, data in unframe(message, shard_pb2.PullResponse)[1])
-            return received
+                head, parts = unframe(message, shard_pb2.PullResponse)
+                cut_step = head.cut_step
+                received += sum(take(meta, inbound, data) for meta, data in parts)
+            return received, cut_step
 
         return self._attempts(call, send=False, receive=True)
 
@@ -139,7 +142,7 @@ class ShardLink:
         self, header: shard_pb2.PushPullRequest, items: Iterable[Item], take: Take
     ) -> tuple[shard_pb2.PushResponse, int]:
         """Push `items`, then take the pull `header.pull` in the same call: the push's response
-        and the pulled payload bytes. Made again as a push is."""
+        (with the cut the pull's answer names) and the pulled payload bytes. Made again as a push is."""
         announced = _announcing(header, header.part_count or len(self._part_counts))
 
         def call(out: Outbound, inbound: Inbound) -> tuple[shard_pb2.PushResponse, int]:
@@ -150,6 +153,7 @@ class ShardLink:
             for message in self._push_pull(_until_broken(frame(named, items, out)), timeout=self.timeout_s + 5):
                 head, parts = unframe(message, shard_pb2.PushPullResponse)
                 response = head.push
+                response.cut_step = max(response.cut_step, head.cut_step)
                 received += sum(take(meta, inbound, data) for meta, data in parts)
             return response, received
 

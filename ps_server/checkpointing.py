@@ -8,11 +8,15 @@ Under the shard's state dir (--state-dir), its folder `shard-<shard id>/` holds 
 
 A checkpoint is due when the run's step (ShardRule.step) reaches the next multiple of
 RunSpec.checkpoint_every_steps, or checkpoint_every_seconds have passed since the last one,
-checked whenever a push or deposit is applied. Its snapshot is taken there, under the run's lock;
-it is written in a background thread, at most one in flight per run (a checkpoint due while one
-is being written is skipped). A shard started on the same state dir and shard id serves each run
-from its newest checkpoint that reads back whole, falling back to older ones, one line for each
-refused.
+checked whenever a push or deposit is applied. sync and pseudosync (Scheme.common_cut) go back
+to a step every shard has a checkpoint of, so their shards keep no clock of their own: their
+rank 0 does, and declares a cut a few steps ahead in a push (PushRequest.cut_step), also when a
+checkpoint is asked for (CheckpointRun); every shard checkpoints that step (gradps/cuts.py).
+
+The snapshot is taken where a checkpoint is due, under the run's lock; it is written in a
+background thread, at most one in flight per run (a checkpoint due while one is being written is
+skipped). A shard started on the same state dir and shard id serves each run from its newest
+checkpoint that reads back whole, falling back to older ones, one line for each refused.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +35,9 @@ import torch
 from google.protobuf.message import DecodeError
 
 from gradps import metrics
+from gradps.cuts import DECLARE_AHEAD
 from gradps.errors import one_line
+from gradps.schemes import get_scheme
 from gradps.v1 import shard_pb2
 from ps_server import checkpoint
 from ps_server.checkpoint import CheckpointError, Expected, Written
@@ -84,6 +91,8 @@ class RunCheckpoints:
         spec = request.spec
         self.every_steps = spec.checkpoint_every_steps
         self.every_s = spec.checkpoint_every_seconds
+        # Cuts at one step on every shard: the time-based ones are declared by rank 0.
+        self.common_cut = get_scheme(spec.scheme).common_cut
         self.sequence = max(self.sequences(), default=0)
         self.last_step = 0
         self.last_time = time.monotonic()
@@ -112,9 +121,20 @@ class RunCheckpoints:
         with `run.cond` held)."""
         if not rule.cut_ready():
             return False
-        if self.every_steps and rule.step() // self.every_steps > self.last_step // self.every_steps:
+        step = rule.step()
+        if self.every_steps and step // self.every_steps > self.last_step // self.every_steps:
             return True
+        if self.common_cut:
+            return step >= rule.run.cut_step > self.last_step
         return bool(self.every_s) and time.monotonic() - self.last_time >= self.every_s
+
+    def declare(self, rule: ShardRule, cut_step: int) -> None:
+        """Rank 0 declared a cut at `cut_step` (call with `run.cond` held). Taken unless this shard
+        completed step cut_step - DECLARE_AHEAD already: a worker told by an answer after that might
+        have pushed the step before the cut unknowing (a late rank 0, with backup workers)."""
+        run = rule.run
+        if self.common_cut and cut_step > run.cut_step and rule.step() <= cut_step - DECLARE_AHEAD:
+            run.cut_step, run.cut_asked = cut_step, False
 
     def start(self, run: RunState, rule: ShardRule) -> int | None:
         """Take a snapshot now (call with `run.cond` held) and write it in the background; its
@@ -183,6 +203,20 @@ class RunCheckpoints:
         with self._cond:
             self._cond.wait_for(lambda: sequence in self._outcomes, timeout=timeout_s)
             return self._outcomes.pop(sequence, None)
+
+    def wait_written(self, accept: Callable[[Listed], bool], timeout_s: float) -> tuple[Listed, Outcome | None] | None:
+        """The newest complete checkpoint that `accept`s, once there is one, with how its writing
+        went when it was written by this process; None after `timeout_s`."""
+        found: list[Listed] = []
+
+        def written() -> bool:
+            found[:] = [c for c in self.listing().values() if accept(c)]
+            return bool(found)
+
+        with self._cond:
+            if not self._cond.wait_for(written, timeout=timeout_s):
+                return None
+            return found[-1], self._outcomes.get(found[-1].sequence)
 
     def remove(self) -> None:
         """The run is closed on this shard: its checkpoints go (after the one in flight)."""

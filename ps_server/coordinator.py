@@ -415,11 +415,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if placement is None or not record.opened_on_shards:
             raise NotNow(f"run {record.run_id} is not on the shards yet (or they freed it): nothing to checkpoint")
         answer = cpb.TakeCheckpointResponse()
+        common_cut = get_scheme(record.status.spec.scheme).common_cut
+        step = 0  # the cut the first shard wrote, which the others write too
         for address in _holders(placement):
             try:
                 written = self._stub(address).CheckpointRun(
-                    shard_pb2.CheckpointRunRequest(run_id=record.run_id), timeout=_CHECKPOINT_WAIT_S
+                    shard_pb2.CheckpointRunRequest(run_id=record.run_id, step=step), timeout=_CHECKPOINT_WAIT_S
                 )
+                if common_cut:
+                    step = written.step
             except grpc.RpcError as e:
                 error = NotNow if e.code() == grpc.StatusCode.FAILED_PRECONDITION else Unavailable
                 raise error(f"shard {address}: {e.code().name}: {e.details()}") from None

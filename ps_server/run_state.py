@@ -95,6 +95,10 @@ class RunState:
     # lost, and a group that names the lost one (as the earlier workers' groups still do) means
     # the one that holds its rank now.
     ranks: dict[int, int] = field(default_factory=dict)
+    # sync, pseudosync: the latest cut its rank 0 declared (PushRequest.cut_step), and whether a
+    # checkpoint was asked for since (CheckpointRun): the answers to rank 0 ask it to declare one.
+    cut_step: int = 0
+    cut_asked: bool = False
 
     @classmethod
     def open(

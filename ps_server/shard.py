@@ -21,7 +21,6 @@ from pathlib import Path
 import click
 import grpc
 import torch
-from google.protobuf.message import Message
 
 from gradps import metrics, wire
 from gradps.auth.access import acting_worker
@@ -65,7 +64,7 @@ from gradps.transport import INLINE_IN, INLINE_OUT, Item, Outbound, frame, unfra
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.call_routes import MAX_CLAIM_S, sending
 from ps_server.checkpoint import CheckpointError
-from ps_server.checkpointing import KEEP, RunCheckpoints, ShardCheckpoints
+from ps_server.checkpointing import KEEP, Listed, RunCheckpoints, ShardCheckpoints
 from ps_server.pulled import codec_name, fixed_payload, part_meta, pulled_parts
 from ps_server.received import (
     Call,
@@ -196,8 +195,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         with run.cond:
             first = not run.ended
             run.end()
-            if first and saving is not None and (saving.every_steps or saving.every_s) and rule.cut_ready():
-                saving.start(run, rule)  # the state it ended with, for export after a restart
+        if first and saving is not None and (saving.every_steps or saving.every_s):
+            # The state it ended with, for export after a restart: after the one in flight, which
+            # holds the run as still going on (a restarted shard would hold it for a restore).
+            saving.wait_idle(_CHECKPOINT_WAIT_S)
+            with run.cond:
+                if rule.cut_ready():
+                    saving.start(run, rule)
         _LOGGER.info("run %s ended", request.run_id, extra=_about(request.run_id))
         return shard_pb2.EndRunResponse()
 
@@ -271,6 +275,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         began = time.perf_counter()
         with ExitStack() as claims:
             got = receive(self._push, request_iterator, claims, context)
+        self._declared(got)
         return _apply(got, context, began, self._changed)
 
     def PushPull(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -283,6 +288,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         pull.run_id, pull.worker_id = run.run_id, got.header.worker_id
         pull.restore_epoch = got.header.restore_epoch
         route = _pull_route(run, rule, pull, context)  # checked before the push changes anything
+        self._declared(got)
         header = shard_pb2.PushPullResponse(push=_apply(got, context, began, self._changed))
         yield from _answer(run, rule, pull, route, header, context)
 
@@ -395,6 +401,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         if saving is None:
             raise NotNow("this shard has no state dir (--state-dir) to write checkpoints to")
         deadline = time.monotonic() + min(context.time_remaining() or _CHECKPOINT_WAIT_S, _CHECKPOINT_WAIT_S)
+        with run.cond:
+            at_cut = saving.common_cut and not run.ended  # an ended run's state is one final step
+        if at_cut:
+            return _at_cut(run, saving, request.step, deadline)
         sequence = None
         while sequence is None:  # one in flight is waited for first: this one starts from now
             if not saving.wait_idle(max(0.0, deadline - time.monotonic())):
@@ -402,11 +412,6 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             with run.cond:
                 if run.closed:
                     raise NotFound(f"run {run.run_id!r} was closed on this shard")
-                if not rule.cut_ready():
-                    raise NotNow(
-                        f"run {run.run_id!r} checkpoints at its checkpoint steps, once its rank 0 "
-                        "handed its replica in: not now"
-                    )
                 sequence = saving.start(run, rule)
         outcome = saving.outcome(sequence, max(0.0, deadline - time.monotonic()))
         if outcome is None:
@@ -540,6 +545,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         if saving is not None and saving.due(rule):
             saving.start(run, rule)
 
+    def _declared(self, got: Received) -> None:
+        """A push read whole that declares a cut (PushRequest.cut_step): before it is applied."""
+        run, rule = got.found
+        saving = self._saving.get(run.run_id)
+        if got.header.cut_step and saving is not None:
+            with run.cond:
+                saving.declare(rule, got.header.cut_step)
+
     def _pushed_run(self, request: shard_pb2.PushRequest) -> tuple[RunState, ShardRule]:
         found = self._run(request.run_id)
         with found[0].cond:
@@ -571,6 +584,33 @@ def _check_hand_in(run: RunState, rule: ShardRule, request: shard_pb2.RegisterTe
     check_step(run, request.replica_step)
 
 
+def _at_cut(run: RunState, saving: RunCheckpoints, step: int, deadline: float) -> shard_pb2.CheckpointRunResponse:
+    """CheckpointRun where checkpoints are cuts (sync, pseudosync): the one at `step` once it is
+    written; without one, the next cut, which rank 0 is asked to declare."""
+    if step:
+        accept: Callable[[Listed], bool] = lambda c: c.step == step  # noqa: E731
+        waiting = f"no checkpoint of step {step}"
+    else:
+        after = saving.sequence
+        with run.cond:
+            run.cut_asked = True
+        accept = lambda c: c.sequence > after  # noqa: E731
+        waiting = "no cut reached: its rank 0 declares one in its next push"
+    found = saving.wait_written(accept, max(0.0, deadline - time.monotonic()))
+    if found is None:
+        raise TimedOut(f"run {run.run_id!r}: {waiting}")
+    listed, outcome = found
+    return shard_pb2.CheckpointRunResponse(
+        sequence=listed.sequence,
+        step=listed.step,
+        min_version=listed.min_version,
+        max_version=listed.max_version,
+        bytes=listed.nbytes,
+        snapshot_seconds=outcome.snapshot_seconds if outcome else 0.0,
+        write_seconds=outcome.written.seconds if outcome and outcome.written else 0.0,
+    )
+
+
 def _pull_route(
     run: RunState, rule: ShardRule, request: shard_pb2.PullRequest, context: grpc.ServicerContext
 ) -> AbstractContextManager[Outbound]:
@@ -588,10 +628,11 @@ def _answer(
     rule: ShardRule,
     request: shard_pb2.PullRequest,
     route: AbstractContextManager[Outbound],
-    header: Message,
+    header: shard_pb2.PullResponse | shard_pb2.PushPullResponse,
     context: grpc.ServicerContext,
 ) -> Iterator[bytes]:
-    """A pull's answer, once the rule says its parts are ready: messages repeating `header`."""
+    """A pull's answer, once the rule says its parts are ready: messages repeating `header`,
+    which names the run's declared cut as it is then."""
     began = time.perf_counter()
     parts = list(run.parts.values())
     wait_s = min(request.wait_ms / 1000, MAX_CLAIM_S) if request.wait_ms else _DEFAULT_WAIT_S
@@ -605,6 +646,7 @@ def _answer(
         # each at the version its answer reports: no pull holds a copy of every part.
         chosen = [(p, fixed_payload(p, rule.pull_values(p, request), request.codec)) for p in parts]
         rule.on_pull(request.worker_id, parts)
+        header.cut_step = run.cut_step
     items = pulled_parts(run, chosen, request.codec, request.HasField("into"), context)
     pulled = [0]
     try:
@@ -648,17 +690,25 @@ def _apply(got: Received, context: grpc.ServicerContext, began: float, changed: 
         _check_live(run, worker_id)
         if (earlier := run.earlier_push(worker_id, step)) is not None:
             applied, staleness = earlier
-            return shard_pb2.PushResponse(parts=len(got.values), staleness=staleness, applied=applied)
+            return _push_answer(run, len(got.values), staleness, applied)
         check_alive(context, "push")  # its client gave up: it will make the push again
         staleness = rule.push(Push(worker_id, step, got.values, got.versions))
         run.record_push(worker_id, step, got.nbytes, staleness)
         changed(run, rule)
         transport = _push_transport(run, got.header)
+        answer = _push_answer(run, len(got.values), staleness, True)
     scheme = run.spec.scheme
     metrics.SHARD_PUSH_SECONDS.labels(scheme).observe(time.perf_counter() - began)
     metrics.SHARD_STALENESS.labels(scheme).observe(staleness)
     metrics.SHARD_PUSHED_BYTES.labels(transport, metrics.codec_label(run.spec.codec)).inc(got.nbytes)
-    return shard_pb2.PushResponse(parts=len(got.values), staleness=staleness, applied=True)
+    return answer
+
+
+def _push_answer(run: RunState, parts: int, staleness: int, applied: bool) -> shard_pb2.PushResponse:
+    """A push's answer, with the run's declared cut (call with `run.cond` held)."""
+    return shard_pb2.PushResponse(
+        parts=parts, staleness=staleness, applied=applied, cut_step=run.cut_step, cut_asked=run.cut_asked
+    )
 
 
 def _initial_part(run: RunState, meta: tensor_pb2.TensorPart, seen: set[PartKey], expected: int) -> Part:

@@ -344,6 +344,35 @@ def test_the_interval_counts_steps_or_seconds(tmp_path):
     assert saving2.due(rule2)
 
 
+def test_a_common_cut_run_checkpoints_at_the_cut_rank_0_declares_not_by_the_shards_clock(tmp_path):
+    """sync and pseudosync: shards that each kept time would checkpoint different steps, and a run
+    could go back to none. The declared cut is taken while step cut - 3 is not complete here, and
+    is due once the run reaches it; a declaration later than that is left (a worker might have
+    pushed the step before the cut not knowing)."""
+    request = _request("r1", "sync", SGD)
+    request.spec.checkpoint_every_seconds = 0.01
+    run, rule = _opened(request)
+    saving = _saving(tmp_path, request)
+    time.sleep(0.02)
+    with run.cond:
+        assert not saving.due(rule)  # seconds passed: not on this shard's clock
+        run.cut_asked = True
+        saving.declare(rule, 3)  # at step 0, declared for step 3: taken
+        assert (run.cut_step, run.cut_asked) == (3, False)
+    due = []
+    for step in range(4):
+        _step(run, rule, step)
+        with run.cond:
+            due.append(saving.due(rule))
+            if due[-1]:
+                saving.start(run, rule)
+            saving.declare(rule, step + 3)  # declared late: step (step + 3) - 3 is complete
+        saving.wait_idle(30)
+    assert due == [False, False, True, False]  # at step 3 only
+    assert run.cut_step == 3
+    assert [c.step for c in saving.listing().values()] == [3]
+
+
 # ---- a process killed while writing ----------------------------------------------------------
 
 

@@ -181,7 +181,6 @@ BAD_SPECS = {
     "pseudosync alpha=5": dict(scheme="pseudosync", scheme_params=run_pb2.SchemeParams(alpha=5)),
     "pseudosync alpha=nan": dict(scheme="pseudosync", scheme_params=run_pb2.SchemeParams(alpha=NAN)),
     "pseudosync alpha_min=2": dict(scheme="pseudosync", scheme_params=run_pb2.SchemeParams(alpha_min=2)),
-    "pseudosync checkpoints every 10 s": dict(scheme="pseudosync", checkpoint_every_seconds=10),
     "asgd dc_lambda=nan": dict(scheme="asgd", scheme_params=run_pb2.SchemeParams(dc_lambda=NAN)),
     "asgd dc_lambda=-1": dict(scheme="asgd", scheme_params=run_pb2.SchemeParams(dc_lambda=-1)),
     "straggler_factor=nan": dict(straggler_factor=NAN),

@@ -19,7 +19,7 @@ from client.local_cluster import LocalCluster
 from client.report import follow
 from client.sdk import Client, GradpsError
 from gradps.v1 import coordinator_pb2 as cpb
-from gradps.v1 import run_pb2
+from gradps.v1 import run_pb2, tensor_pb2
 
 CHECKPOINT_EVERY = 20
 
@@ -74,28 +74,55 @@ def cluster(tmp_path: Path):
         yield c
 
 
-def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_without(cluster, tmp_path):
+_TOPK = tensor_pb2.CodecParams(codec=tensor_pb2.CODEC_TOPK, ratio=0.05)
+_EVERY = {
+    "every-20-steps": {},
+    # The residuals are sent whole in the push before each checkpoint step: the cut holds them.
+    "topk-error-feedback": {"codec": _TOPK},
+    # rank 0 declares the cuts, so both shards checkpoint the same steps.
+    "every-half-second": {"checkpoint_every_steps": 0, "checkpoint_every_seconds": 0.5},
+}
+
+
+@pytest.mark.parametrize("every", _EVERY.values(), ids=_EVERY.keys())
+def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_without(cluster, every, tmp_path):
     """Every shard goes back to the newest step checkpointed on all of them and the workers redo
     the steps after it on the same batches: the same weights, bit for bit, as a run left alone
     (two workers: a sum of two gradients does not depend on their order)."""
     steps = 600
     with Client(cluster.address) as client:
-        alone = client.submit(_spec("sync", steps))
+        alone = client.submit(_spec("sync", steps, **every))
         assert follow(client, alone, tmp_path / "alone", show_progress=False)["state"] == "completed"
-        interrupted = client.submit(_spec("sync", steps))
+        interrupted = client.submit(_spec("sync", steps, **every))
         _kill_and_restart(cluster, client, interrupted, at_step=50)
         summary = follow(client, interrupted, tmp_path / "interrupted", show_progress=False)
         assert summary["state"] == "completed", summary
         assert summary["shard_restores"] == 1
         status = client.run(interrupted).run
         assert status.restores == 1
-        # Killed at step 50 or a little later: back to step 40 (or 60, if the kill came late).
-        assert status.rolled_back_steps < 2 * CHECKPOINT_EVERY, status.rolled_back_steps
+        if "checkpoint_every_seconds" not in every:
+            # Killed at step 50 or a little later: back to step 40 (or 60, if the kill came late).
+            assert status.rolled_back_steps < 2 * CHECKPOINT_EVERY, status.rolled_back_steps
+        print(f"\nrolled back {status.rolled_back_steps} steps")
         a, b = _exported(client, alone), _exported(client, interrupted)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert "every shard went back to step" in _log(cluster)
+
+
+def test_a_pseudosync_run_checkpointed_by_seconds_goes_back_to_a_cut_with_its_replica(cluster, tmp_path):
+    """rank 0 declares the cuts by its clock and hands its replica in at each: a shard restart
+    finds a step with a checkpoint on both shards, and the run completes."""
+    spec = _spec("pseudosync", 600, checkpoint_every_steps=0, checkpoint_every_seconds=0.5)
+    with Client(cluster.address) as client:
+        run_id = client.submit(spec)
+        _kill_and_restart(cluster, client, run_id, at_step=100)
+        summary = follow(client, run_id, tmp_path, show_progress=False)
+        status = client.run(run_id).run
+    assert summary["state"] == "completed", summary
+    assert status.restores == 1 and status.rolled_back_steps > 0
+    assert summary["final_test_accuracy"] >= 0.9, summary
 
 
 def test_a_run_without_checkpoints_fails_with_the_reason_when_its_shard_comes_back_empty(cluster, tmp_path):
@@ -252,15 +279,21 @@ def test_a_new_worker_takes_the_rank_of_a_killed_one_and_the_run_ends_with_every
         assert status.rolled_back_steps > 0 and len({m.weights_digest for m in done}) == 1, done
 
 
-def test_gradps_checkpoint_has_every_shard_write_one_now(cluster, tmp_path):
+@pytest.mark.parametrize("scheme", ["asgd", "sync", "pseudosync"])
+def test_gradps_checkpoint_has_every_shard_write_one_now(cluster, scheme, tmp_path):
+    """asgd's shards each write one now; sync's and pseudosync's write the next cut, which rank 0
+    declares when asked: the same step on both (pseudosync's with rank 0's replica handed in)."""
     with Client(cluster.address) as client:
-        run_id = client.submit(_spec("asgd", 100_000, checkpoint_every_steps=0))
+        run_id = client.submit(_spec(scheme, 100_000, checkpoint_every_steps=0))
         _wait_for_step(client, run_id, 20)
         command = [sys.executable, "-m", "client.cli", "checkpoint", "--coordinator", cluster.address]
         done = subprocess.run([*command, run_id], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
         assert len(lines) == 2 and all(" checkpoint 1 at step " in line for line in lines), lines
+        steps = {line.split(" at step ")[1].split(",")[0] for line in lines}
+        if scheme != "asgd":
+            assert len(steps) == 1, lines
         unknown = subprocess.run([*command, "no-such-run"], capture_output=True, text=True, timeout=120)
         assert unknown.returncode != 0 and "NOT_FOUND" in unknown.stderr and "Traceback" not in unknown.stderr
         client.stop(run_id)

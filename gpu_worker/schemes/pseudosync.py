@@ -15,8 +15,8 @@ already smooths them: a second, adaptive smoothing in front of it compounds the 
 steps; a = 1 took 230, as sync's 110-210). So with such an optimizer a = 1 unless a fixed a
 is asked for.
 
-The replica lives here alone, so rank 0 hands it in at the start of every checkpoint step (the
-shards checkpoint that step once they hold it: ps_server/schemes/pseudosync.py). Where the run
+The replica lives here alone, so rank 0 hands it in at the start of every cut (gradps/cuts.py:
+the shards checkpoint that step once they hold it, ps_server/schemes/pseudosync.py). Where the run
 goes back to a checkpoint (a shard restarted, a new worker enters, the run resumes), every worker
 takes that step's replica from the shards, with the prediction and the optimizer's state afresh:
 the replicas are one again.
@@ -45,7 +45,7 @@ class PseudosyncWorker(WorkerScheme):
         if self.adaptive and averages_gradients(replica.spec.optimizer):
             self.alpha, self.adaptive = 1.0, False
         self._alpha_at_start = self.alpha
-        self.hand_in_every = replica.spec.checkpoint_every_steps if replica.assignment.rank == 0 else 0
+        self.hands_in = replica.assignment.rank == 0
         self.optimizer = ScheduledOptimizer(list(self.params.values()), replica.spec.optimizer, replica.total_steps)
         self.predicted: dict[str, torch.Tensor] | None = None
         # One thread each: pushes go out in step order, and G_t is fetched while the worker
@@ -68,7 +68,7 @@ class PseudosyncWorker(WorkerScheme):
             self._apply_global(self._fetching.result())
         self._fetching = self._fetcher.submit(self._fetch, step)
         following = step + 1
-        if self.hand_in_every and following % self.hand_in_every == 0 and following < self.replica.total_steps:
+        if self.hands_in and self.client.cuts.is_cut(following) and following < self.replica.total_steps:
             # The replica at the start of the checkpoint step, before its gradient is pushed.
             self.client.register(self.params, overwrite=True, replica_step=following)
         return following

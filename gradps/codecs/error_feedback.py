@@ -21,6 +21,11 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
+    def drain(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+        """grad + residual[key] as float32, to be sent as it is (codec none): nothing is left to
+        carry (the push before a checkpoint cut, gradps/cuts.py)."""
+        return self._corrected(key, flat_float32(grad))
+
     def compress(self, key: Hashable, grad: torch.Tensor, codec: Codec) -> bytes:
         """Encode grad + residual[key] with `codec` and keep what it lost as the new residual.
 
@@ -32,17 +37,20 @@ class ErrorFeedback:
         flat = flat_float32(grad)  # may alias grad: only read
         if not codec.lossy:
             return codec.encode(flat)
-        residual = self._residuals.pop(key, None)
-        if residual is None:
-            corrected = flat.clone()
-        elif residual.numel() != flat.numel():
-            raise ValueError(
-                f"error feedback for {key!r}: gradient has {flat.numel()} values, residual "
-                f"{residual.numel()}; a key must name the same values at every push"
-            )
-        else:
-            corrected = residual.add_(flat)  # reuse the residual's buffer for g + e
+        corrected = self._corrected(key, flat)
         # corrected - transmitted, left in place; sparse codecs touch only the k sent elements.
         payload = codec.encode_subtract(corrected)
         self._residuals[key] = corrected
         return payload
+
+    def _corrected(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
+        """flat + residual[key] in a tensor of its own (the residual's buffer), the residual taken out."""
+        residual = self._residuals.pop(key, None)
+        if residual is None:
+            return flat.clone()
+        if residual.numel() != flat.numel():
+            raise ValueError(
+                f"error feedback for {key!r}: gradient has {flat.numel()} values, residual "
+                f"{residual.numel()}; a key must name the same values at every push"
+            )
+        return residual.add_(flat)

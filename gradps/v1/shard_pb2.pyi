@@ -139,15 +139,17 @@ class PullRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("part", "parts")
+    __slots__ = ("part", "parts", "cut_step")
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    CUT_STEP_FIELD_NUMBER: _ClassVar[int]
     part: _tensor_pb2.TensorPart
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
-    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
+    cut_step: int
+    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., cut_step: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "part_count", "restore_epoch")
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "part_count", "restore_epoch", "cut_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,7 @@ class PushRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     PART_COUNT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CUT_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -164,10 +167,11 @@ class PushRequest(_message.Message):
     stream: StreamCall
     part_count: int
     restore_epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
+    cut_step: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., part_count: _Optional[int] = ..., restore_epoch: _Optional[int] = ..., cut_step: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "pull", "part_count", "restore_epoch")
+    __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "pull", "part_count", "restore_epoch", "cut_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +181,7 @@ class PushPullRequest(_message.Message):
     PULL_FIELD_NUMBER: _ClassVar[int]
     PART_COUNT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CUT_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     worker_id: int
     step: int
@@ -186,27 +191,34 @@ class PushPullRequest(_message.Message):
     pull: PullRequest
     part_count: int
     restore_epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., part_count: _Optional[int] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
+    cut_step: int
+    def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., part_count: _Optional[int] = ..., restore_epoch: _Optional[int] = ..., cut_step: _Optional[int] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("push", "part", "parts")
+    __slots__ = ("push", "part", "parts", "cut_step")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    CUT_STEP_FIELD_NUMBER: _ClassVar[int]
     push: PushResponse
     part: _tensor_pb2.TensorPart
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
-    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ...) -> None: ...
+    cut_step: int
+    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., cut_step: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("parts", "staleness", "applied")
+    __slots__ = ("parts", "staleness", "applied", "cut_step", "cut_asked")
     PARTS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    CUT_STEP_FIELD_NUMBER: _ClassVar[int]
+    CUT_ASKED_FIELD_NUMBER: _ClassVar[int]
     parts: int
     staleness: int
     applied: bool
-    def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
+    cut_step: int
+    cut_asked: bool
+    def __init__(self, parts: _Optional[int] = ..., staleness: _Optional[int] = ..., applied: _Optional[bool] = ..., cut_step: _Optional[int] = ..., cut_asked: _Optional[bool] = ...) -> None: ...
 
 class GroupAverageRequest(_message.Message):
     __slots__ = ("run_id", "worker_id", "step", "members", "is_global", "part", "parts", "into", "stream", "part_count", "consensus", "restore_epoch")
@@ -319,10 +331,12 @@ class GetStatsResponse(_message.Message):
     def __init__(self, parts: _Optional[int] = ..., param_bytes: _Optional[int] = ..., pushes: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., min_version: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class CheckpointRunRequest(_message.Message):
-    __slots__ = ("run_id",)
+    __slots__ = ("run_id", "step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class CheckpointRunResponse(_message.Message):
     __slots__ = ("sequence", "step", "min_version", "max_version", "bytes", "snapshot_seconds", "write_seconds")

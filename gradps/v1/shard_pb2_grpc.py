@@ -252,7 +252,8 @@ class ShardServiceServicer:
         rename). Answers once the checkpoint is on disk; one already being written is waited for
         first. FAILED_PRECONDITION when the shard has no state dir; NOT_FOUND for an unknown run.
         A shard restarted with the same --shard-id and --state-dir serves each run from its latest
-        complete checkpoint.
+        complete checkpoint. sync and pseudosync checkpoint at cuts only (see
+        CheckpointRunRequest.step): DEADLINE_EXCEEDED when the run reaches none in time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
