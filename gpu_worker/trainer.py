@@ -31,6 +31,9 @@ from gradps.v1 import coordinator_pb2 as cpb
 from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
 
 Evaluate = Callable[[torch.nn.Module], tuple[float, float]]
+# Mixes seed, rank and step into one 63-bit seed (a large prime).
+_MIX = 1_000_000_007
+_SEED_MASK = (1 << 63) - 1
 _LOGGER = logging.getLogger("gradps.worker")
 
 
@@ -111,6 +114,7 @@ class Trainer:
             self.steps_done = self._go_back(e, self.steps_done)
         self._step_began = time.perf_counter()
         self._wait_s += self._step_began - began
+        self._seed_step()
 
     def step(self, loss: float, samples: int) -> None:
         """Exchange with the shards after one backward pass, then clear the gradients."""
@@ -127,6 +131,7 @@ class Trainer:
         self._step_began = now
         for p in self.params.values():
             p.grad = None
+        self._seed_step()
         self.samples += samples
         self._loss_sum += loss
         self._loss_n += 1
@@ -142,6 +147,12 @@ class Trainer:
         )
         if evaluate_now or crossed(self.report_every):
             self._report(evaluate_now, done=False)
+
+    def _seed_step(self) -> None:
+        """Seed torch's generator from the run's seed, this rank and the step about to be computed:
+        dropout and the randomized codecs draw the same when a step is done again (after a go-back,
+        in a resumed run), so no generator state needs handing in with a checkpoint."""
+        torch.manual_seed(((self.spec.seed * _MIX + self.assignment.rank) * _MIX + self.steps_done) & _SEED_MASK)
 
     def _exchange(self, step: int) -> int:
         """The scheme's exchange after step `step`'s backward; the step to go on from, which is

@@ -21,9 +21,11 @@ checkpoint that reads back whole, falling back to older ones, one line for each 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -48,7 +50,16 @@ _LOGGER = logging.getLogger("gradps.shard")
 OPEN_RUN = "run.binpb"
 # Checkpoints kept per run unless the shard says otherwise (--keep-checkpoints).
 KEEP = 3
+# A checkpoint writer's nice value: the lowest priority.
+_BACKGROUND_NICE = 19
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _in_background() -> None:
+    """The calling thread at the lowest CPU priority (on Linux a thread's nice value is its own):
+    on a busy host the training steps go first and the checkpoint takes what is left."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed: as it is
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
 
 
 def run_folder_name(run_id: str) -> str:
@@ -158,6 +169,7 @@ class RunCheckpoints:
         return sequence
 
     def _write(self, snapshot: checkpoint.Snapshot) -> None:
+        _in_background()
         outcome = Outcome(snapshot_seconds=snapshot.seconds)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

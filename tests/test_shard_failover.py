@@ -5,6 +5,7 @@ real files; the test kills and restarts the shard."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from client.local_cluster import LocalCluster
 from client.report import follow
@@ -67,10 +69,29 @@ def _exported(client: Client, run_id: str) -> dict[str, torch.Tensor]:
     return client.export_state_dict(run_id)
 
 
+def dropout_mlp(dataset: object) -> nn.Module:
+    """A user's model with dropout (allowed below by import path): its masks come from torch's
+    generator, which a worker seeds from the step it computes."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(math.prod(dataset.input_shape), 64),
+        nn.ReLU(),
+        nn.Dropout(0.2),  # type: ignore[attr-defined]
+        nn.Linear(64, dataset.num_classes),  # type: ignore[attr-defined]
+    )
+
+
 @pytest.fixture
 def cluster(tmp_path: Path):
     logs = tmp_path / "logs"
-    with LocalCluster(shards=2, workers=2, state_dir=tmp_path / "state", log_dir=logs, heartbeat_timeout_s=2.0) as c:
+    with LocalCluster(
+        shards=2,
+        workers=2,
+        state_dir=tmp_path / "state",
+        log_dir=logs,
+        heartbeat_timeout_s=2.0,
+        allow_import=["tests.test_shard_failover"],
+    ) as c:
         yield c
 
 
@@ -81,6 +102,8 @@ _EVERY = {
     "topk-error-feedback": {"codec": _TOPK},
     # rank 0 declares the cuts, so both shards checkpoint the same steps.
     "every-half-second": {"checkpoint_every_steps": 0, "checkpoint_every_seconds": 0.5},
+    # The steps done again draw the same dropout masks.
+    "dropout": {"model": "tests.test_shard_failover:dropout_mlp"},
 }
 
 
