@@ -82,6 +82,7 @@ class Trainer:
             transport=transport,
             # Rank 0 declares the cuts where the shards must checkpoint one step together.
             cuts=Cuts(self.spec, declares=assignment.rank == 0 and get_scheme(self.spec.scheme).common_cut),
+            abandoned=lambda: session.stopping,
         )
         # 0, the step a resumed run's shards went back to, or where a worker joining a running run enters.
         self.steps_done = placed.start_step

@@ -70,11 +70,13 @@ class ParameterClient:
         transport: str = "shm",
         local_shards: Collection[int] | None = None,
         cuts: Cuts | None = None,
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> None:
         """`transport`: one of TRANSPORTS (gradps/transport/). `local_shards`: where "shm" may try
         shared memory (None: every shard; those on another host refuse the segment).
         `gradps bench transport` names them to place each shard on an emulated host of its own.
-        `cuts`: the run's checkpoint cuts (gradps/cuts.py; None: none)."""
+        `cuts`: the run's checkpoint cuts (gradps/cuts.py; None: none). `abandoned()`: whether the
+        run was stopped, after which a shard that does not answer is no longer waited for."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
         for t in placement.tensors:
@@ -100,7 +102,7 @@ class ParameterClient:
         for p in placement.parts:
             self._parts[p.shard].append(p)
         self.links = [
-            ShardLink(i, address, run_id, worker_id, [p.count for p in self._parts[i]], timeout_s)
+            ShardLink(i, address, run_id, worker_id, [p.count for p in self._parts[i]], timeout_s, abandoned)
             for i, address in enumerate(placement.shards)
         ]
         # The shards this worker exchanges with: those that own parts.

@@ -57,13 +57,23 @@ class ShardLink:
     one copy of each payload."""
 
     def __init__(
-        self, index: int, address: str, run_id: str, worker_id: int, part_counts: list[int], timeout_s: float
+        self,
+        index: int,
+        address: str,
+        run_id: str,
+        worker_id: int,
+        part_counts: list[int],
+        timeout_s: float,
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`abandoned()`: whether the worker's run was stopped (a shard that does not answer is not
+        waited for then: the coordinator failed the run, perhaps for that very shard)."""
         self.index = index
         self.address = address
         # Also how long a shard that does not answer (UNAVAILABLE: restarting, or being restored)
         # is waited for before a call fails.
         self.timeout_s = timeout_s
+        self._abandoned = abandoned
         self._ids = (run_id, worker_id)
         self._part_counts = part_counts
         self.channel = open_channel(address)
@@ -197,7 +207,7 @@ class ShardLink:
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.DATA_LOSS
                 if isinstance(e, grpc.RpcError) and (rolled := RolledBack.of(e, self._ids[0])) is not None:
                     raise rolled from None
-                if code in _NOT_ANSWERING and time.monotonic() < give_up:
+                if code in _NOT_ANSWERING and time.monotonic() < give_up and not self._abandoned():
                     waits += 1
                     time.sleep(min(_MAX_PAUSE_S, 0.1 * 2**waits))
                     continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import secrets
 import threading
 import time
@@ -103,6 +104,9 @@ RESTARTED_MESSAGE = (
     "coordinator restarted while the run was running, and none of its workers came back; "
     "resume it when checkpoints exist"
 )
+# How long a dead shard holding parts of a running run may stay silent before the run fails
+# (--shard-return-timeout): far longer than a shard's restart and RestoreRun (a few seconds).
+DEFAULT_SHARD_RETURN_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -178,21 +182,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     allow_import: tuple[str, ...] = ()
 
     def __init__(
-        self, heartbeat_timeout_s: float = 5.0, keep_runs: int = DEFAULT_KEEP_RUNS, store: RunStore | None = None
+        self,
+        heartbeat_timeout_s: float = 5.0,
+        keep_runs: int = DEFAULT_KEEP_RUNS,
+        store: RunStore | None = None,
+        shard_return_timeout_s: float = DEFAULT_SHARD_RETURN_TIMEOUT_S,
     ) -> None:
         """`heartbeat_timeout_s`: silence after which a worker or a shard is declared dead;
         `keep_runs`: ended runs kept (the oldest beyond are deleted); `store`: where runs are kept
-        (their runs are taken back now; StoreError when they cannot be read), None: in memory."""
+        (their runs are taken back now; StoreError when they cannot be read), None: in memory;
+        `shard_return_timeout_s`: silence of a dead shard after which the running runs it holds
+        parts of fail (0: never)."""
         if keep_runs < 1:
             raise ValueError(f"keep_runs must be at least 1, got {keep_runs}")
+        if not (math.isfinite(shard_return_timeout_s) and shard_return_timeout_s >= 0):
+            raise ValueError(f"shard_return_timeout_s must be 0 or more seconds, got {shard_return_timeout_s}")
         self._store = store or RunStore.open(None)
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.shard_return_timeout_s = shard_return_timeout_s
         self.keep_runs = keep_runs
         self._cond = threading.Condition()
         # By address, in order of index (a shard that comes back keeps its place).
         self._shards: dict[str, ShardRecord] = {}
         self._next_shard_index = 0
         self._shard_stubs: dict[str, shard_pb2_grpc.ShardServiceStub] = {}
+        # Shards that running runs taken back at start-up give parts to, not heard since: when the
+        # coordinator started (their silence counts from then; they have no ShardRecord yet).
+        self._unheard_since: dict[str, float] = {}
         # Live workers; the idle ones among them; the latest declared dead (shown, then forgotten).
         self._workers: dict[int, WorkerRecord] = {}
         self._idle: set[int] = set()
@@ -755,9 +771,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._runs[record.run_id] = record
             if record.status.state == cpb.RUN_STATE_PENDING:
                 self._pending[record.run_id] = record
+        now = time.monotonic()
         for record, stored in zip(restored, stored_runs, strict=True):
             if record.status.state == cpb.RUN_STATE_RUNNING:
                 self._resume(record, stored.workers)
+                for address in _holders(record.placement) if record.placement else ():
+                    self._unheard_since.setdefault(address, now)
         self._retain()
         self._schedule()
         if restored:
@@ -804,6 +823,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         A process new to this coordinator (`boot_id`) may have restarted: its runs are checked."""
         now = time.monotonic()
         shard = self._shards.get(address)
+        self._unheard_since.pop(address, None)
         if shard is None:
             if len(self._shards) >= MAX_SHARDS:
                 raise TooLarge(f"the coordinator knows {MAX_SHARDS} shards, its most")
@@ -1084,6 +1104,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     self._forgive_silence(stalled_s)
                 changed = self._expire_workers(now)
                 changed |= self._expire_shards(now)
+                self._fail_runs_without_shards(now)
                 if changed:
                     self._schedule()
                 self._cond.notify_all()
@@ -1095,6 +1116,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             worker.last_seen = min(worker.last_seen + stalled_s, now)
         for shard in self._shards.values():
             shard.last_seen = min(shard.last_seen + stalled_s, now)
+        for address, since in self._unheard_since.items():
+            self._unheard_since[address] = min(since + stalled_s, now)
 
     def _expire_workers(self, now: float) -> bool:
         """Move workers silent past the timeout to the dead (their run goes on without them), and
@@ -1144,8 +1167,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
 
     def _expire_shards(self, now: float) -> bool:
-        """Leave silent shards out of new placements; forget them after a while. True when any died."""
+        """Leave silent shards out of new placements; forget them after a while, unless a running
+        run holds parts on them (its wait for their return is timed from their last heartbeat).
+        True when any died."""
         died = False
+        held = self._held_by_running()
         for shard in list(self._shards.values()):
             silent_s = now - shard.last_seen
             if shard.alive and silent_s > self.heartbeat_timeout_s:
@@ -1154,19 +1180,48 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 _LOGGER.warning(
                     "shard %d at %s missed heartbeats: new runs are placed without it", shard.index, shard.address
                 )
-            elif not shard.alive and silent_s > self._forget_after_s:
+            elif not shard.alive and silent_s > self._forget_after_s and shard.address not in held:
                 del self._shards[shard.address]
-                self._fail_runs_on(shard, silent_s)
         return died
 
-    def _fail_runs_on(self, shard: ShardRecord, silent_s: float) -> None:
-        """A shard silent for so long that it is forgotten: its running runs cannot go on (until
-        then a restart of it is waited for: ps_server/recovery.py)."""
+    def _held_by_running(self) -> set[str]:
+        """The addresses of the shards that running runs give parts to."""
+        return {
+            address
+            for record in self._runs.values()
+            if record.status.state == cpb.RUN_STATE_RUNNING and record.placement is not None
+            for address in _holders(record.placement)
+        }
+
+    def _fail_runs_without_shards(self, now: float) -> None:
+        """Fail each running run that a dead shard holding its parts left for the shard return
+        timeout: its parts are nowhere else (a shard restarted in time recovers the run instead:
+        ps_server/recovery.py)."""
+        held = self._held_by_running()
+        for address in set(self._unheard_since) - held:  # their runs ended: nothing waits for them
+            del self._unheard_since[address]
+        if not self.shard_return_timeout_s:
+            return
         for record in list(self._runs.values()):
-            placed = record.placement is not None and shard.address in record.placement.shards
-            if placed and record.status.state == cpb.RUN_STATE_RUNNING:
-                message = f"shard {shard.index} at {shard.address} has been silent for {silent_s:.0f} s"
-                self._end(record, cpb.RUN_STATE_FAILED, message)
+            if record.status.state != cpb.RUN_STATE_RUNNING or record.placement is None:
+                continue
+            for address in _holders(record.placement):
+                shard = self._shards.get(address)
+                if shard is not None:
+                    silent_s = 0.0 if shard.alive else now - shard.last_seen
+                    since = ""
+                else:  # named by a run taken back at start-up, and not heard since
+                    silent_s = now - self._unheard_since.get(address, now)
+                    since = " (since the coordinator restarted)"
+                if silent_s > self.shard_return_timeout_s:
+                    index = list(record.placement.shards).index(address)
+                    message = (
+                        f"shard {index} at {address} has not come back for {silent_s:.0f} s{since}: "
+                        "the run cannot go on without its parts"
+                    )
+                    _LOGGER.error("run %s: %s", record.run_id, message, extra={"run_id": record.run_id})
+                    self._end(record, cpb.RUN_STATE_FAILED, message)
+                    break
 
 
 def _holders(placement: shard_pb2.Placement) -> tuple[str, ...]:
@@ -1257,6 +1312,13 @@ def _check_imports_allowed(spec: run_pb2.RunSpec, allow_import: tuple[str, ...])
                 raise PermissionDenied(str(e)) from None
 
 
+def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A number of seconds: click's FloatRange lets nan and inf through."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds")
+    return value
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @port_option(50051)
 @bind_option
@@ -1272,6 +1334,16 @@ def _check_imports_allowed(spec: run_pb2.RunSpec, allow_import: tuple[str, ...])
     type=click.FloatRange(min=0.1),
     help="Seconds without a heartbeat before a worker is declared dead (and forgotten), or a shard is left "
     "out of new runs' placement.",
+)
+@click.option(
+    "--shard-return-timeout",
+    envvar="GRADPS_SHARD_RETURN_TIMEOUT",
+    show_envvar=True,
+    default=DEFAULT_SHARD_RETURN_TIMEOUT_S,
+    type=click.FloatRange(min=0),
+    callback=_finite_seconds,
+    help="Seconds a dead shard holding parts of a running run may stay silent before the run fails (after a "
+    "coordinator restart: counted from the restart). 0: wait forever.",
 )
 @click.option(
     "--keep-runs",
@@ -1306,6 +1378,7 @@ def main(
     max_calls_per_caller: int,
     allow_import: tuple[str, ...],
     heartbeat_timeout: float,
+    shard_return_timeout: float,
     keep_runs: int,
     state_dir: Path | None,
     port_file: str | None,
@@ -1322,7 +1395,7 @@ def main(
     tls = service_tls(tls_cert, tls_key, tls_ca, tls_client_auth)
     try:  # before the port is bound: a coordinator that cannot keep its runs does not start
         store = RunStore.open(state_dir)
-        servicer = CoordinatorServicer(heartbeat_timeout, keep_runs, store)
+        servicer = CoordinatorServicer(heartbeat_timeout, keep_runs, store, shard_return_timeout)
     except StoreError as e:
         raise click.ClickException(f"--state-dir {state_dir}: {e}") from None
     metrics.watch_coordinator(servicer.census)

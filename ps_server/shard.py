@@ -412,6 +412,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             with run.cond:
                 if run.closed:
                     raise NotFound(f"run {run.run_id!r} was closed on this shard")
+                if not rule.cut_ready():  # an ended pseudosync run whose rank 0 never handed in
+                    raise NotNow(f"run {run.run_id!r} ended without its replica handed in: nothing to checkpoint")
                 sequence = saving.start(run, rule)
         outcome = saving.outcome(sequence, max(0.0, deadline - time.monotonic()))
         if outcome is None:
