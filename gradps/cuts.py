@@ -16,6 +16,7 @@ push name the cut, before any worker pushes the step before it.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from gradps.v1 import run_pb2
@@ -27,7 +28,8 @@ DECLARE_AHEAD = 3
 
 class Cuts:
     """A worker's view of its run's cuts: the scheduled ones, and those declared (by itself, when
-    `declares`, or by rank 0 as the shards' answers name them)."""
+    `declares`, or by rank 0 as the shards' answers name them). Safe to share between the
+    threads that exchange with the shards."""
 
     def __init__(self, spec: run_pb2.RunSpec, declares: bool) -> None:
         self.every_steps = spec.checkpoint_every_steps
@@ -36,20 +38,23 @@ class Cuts:
         self._declared: set[int] = set()
         self._asked = False
         self._since = time.monotonic()
+        self._lock = threading.Lock()
 
     def is_cut(self, step: int) -> bool:
         """Whether `step` is a cut (its checkpoint is taken at its start)."""
         if self.every_steps and step % self.every_steps == 0:
             return True
-        self._declared = {cut for cut in self._declared if cut >= step}  # the past ones go
-        return step in self._declared
+        with self._lock:
+            self._declared -= {cut for cut in self._declared if cut < step}  # the past ones go
+            return step in self._declared
 
     def learn(self, cut_step: int, asked: bool = False) -> None:
         """A shard's answer named `cut_step` as declared (0: none) and said whether a checkpoint
         is asked for."""
-        if cut_step:
-            self._declared.add(cut_step)
-        self._asked |= asked and self.declares
+        with self._lock:
+            if cut_step:
+                self._declared.add(cut_step)
+            self._asked |= asked and self.declares
 
     def declaration(self, step: int) -> int:
         """The cut to declare in this worker's push of `step` (0: none): rank 0's, once its
@@ -57,9 +62,10 @@ class Cuts:
         if not self.declares:
             return 0
         now = time.monotonic()
-        if not (self._asked or (self.every_s and now - self._since >= self.every_s)):
-            return 0
-        self._asked, self._since = False, now
-        cut = step + DECLARE_AHEAD
-        self._declared.add(cut)
-        return cut
+        with self._lock:
+            if not (self._asked or (self.every_s and now - self._since >= self.every_s)):
+                return 0
+            self._asked, self._since = False, now
+            cut = step + DECLARE_AHEAD
+            self._declared.add(cut)
+            return cut

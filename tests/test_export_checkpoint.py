@@ -22,22 +22,13 @@ from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
 from ps_server.checkpoint import MANIFEST
 from ps_server.checkpointing import run_folder_name
+from tests.digits_run import digits_spec
 
 EVERY = 10
 
 
 def _spec(steps: int, every: int = EVERY, scheme: str = "sync") -> run_pb2.RunSpec:
-    return run_pb2.RunSpec(
-        scheme=scheme,
-        workers=2,
-        batch_size=32,
-        steps=steps,
-        eval_every=0,
-        seed=0,
-        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.2),
-        checkpoint_every_steps=every,
-        part_size=16 << 10,  # the mlp's parts on both shards
-    )
+    return digits_spec(scheme, steps, checkpoint_every_steps=every)
 
 
 def _cli(*args: str) -> tuple[int, str]:

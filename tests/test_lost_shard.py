@@ -19,29 +19,19 @@ from client.report import follow
 from client.sdk import Client
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
+from tests.digits_run import CHECKPOINT_EVERY, digits_spec
 from tests.services import until
 
 HEARTBEAT_TIMEOUT_S = 2.0
 RETURN_TIMEOUT_S = 5.0
 # A machine of two cores with a test suite beside: the deadlines leave room.
 MARGIN_S = 60.0
-CHECKPOINT_EVERY = 20
 LOST = 1  # the shard killed for good
 ENV = "GRADPS_SHARD_RETURN_TIMEOUT"
 
 
 def _spec(steps: int) -> run_pb2.RunSpec:
-    return run_pb2.RunSpec(
-        scheme="sync",
-        workers=2,
-        batch_size=32,
-        steps=steps,
-        eval_every=0,
-        seed=0,
-        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.2),
-        checkpoint_every_steps=CHECKPOINT_EVERY,
-        part_size=16 << 10,  # the mlp's parts on both shards
-    )
+    return digits_spec("sync", steps)
 
 
 def _at_step(client: Client, run_id: str, step: int) -> bool:

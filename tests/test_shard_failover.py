@@ -21,25 +21,11 @@ from client.local_cluster import LocalCluster
 from client.report import follow
 from client.sdk import Client, GradpsError
 from gradps.v1 import coordinator_pb2 as cpb
-from gradps.v1 import run_pb2, tensor_pb2
+from gradps.v1 import tensor_pb2
+from tests.digits_run import CHECKPOINT_EVERY, digits_spec
+from tests.services import until
 
-CHECKPOINT_EVERY = 20
-
-
-def _spec(scheme: str, steps: int, **kw: object) -> run_pb2.RunSpec:
-    base: dict[str, object] = dict(
-        scheme=scheme,
-        workers=2,
-        batch_size=32,
-        steps=steps,
-        eval_every=0,
-        seed=0,
-        optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.2),
-        checkpoint_every_steps=CHECKPOINT_EVERY,
-        part_size=16 << 10,  # the mlp's parts on both shards
-    )
-    base.update(kw)
-    return run_pb2.RunSpec(**base)  # type: ignore[arg-type]
+_spec = digits_spec
 
 
 def _wait_for_step(client: Client, run_id: str, step: int) -> None:
@@ -59,6 +45,14 @@ def _kill_and_restart(cluster: LocalCluster, client: Client, run_id: str, at_ste
     cluster.shards[shard].wait()
     time.sleep(0.5)  # the workers find it gone and wait for it
     cluster.restart_shard(shard)
+
+
+def _checkpointed(client: Client, run_id: str) -> bool:
+    """Whether a step of the run is checkpointed on every shard holding its parts."""
+    try:
+        return bool(client.checkpoints(run_id).checkpoints)
+    except GradpsError:  # not placed yet
+        return False
 
 
 def _log(cluster: LocalCluster) -> str:
@@ -101,7 +95,7 @@ _EVERY = {
     # The residuals are sent whole in the push before each checkpoint step: the cut holds them.
     "topk-error-feedback": {"codec": _TOPK},
     # rank 0 declares the cuts, so both shards checkpoint the same steps.
-    "every-half-second": {"checkpoint_every_steps": 0, "checkpoint_every_seconds": 0.5},
+    "every-fifth-of-a-second": {"checkpoint_every_steps": 0, "checkpoint_every_seconds": 0.2},
     # The steps done again draw the same dropout masks.
     "dropout": {"model": "tests.test_shard_failover:dropout_mlp"},
 }
@@ -112,12 +106,16 @@ def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_
     """Every shard goes back to the newest step checkpointed on all of them and the workers redo
     the steps after it on the same batches: the same weights, bit for bit, as a run left alone
     (two workers: a sum of two gradients does not depend on their order)."""
-    steps = 300  # killed at step 50: a checkpoint before it, many steps after
+    steps = 300  # killed at step 50, or after the first cut: a checkpoint before it, many steps after
     with Client(cluster.address) as client:
         alone = client.submit(_spec("sync", steps, **every))
         assert follow(client, alone, tmp_path / "alone", show_progress=False)["state"] == "completed"
         interrupted = client.submit(_spec("sync", steps, **every))
-        _kill_and_restart(cluster, client, interrupted, at_step=50)
+        if "checkpoint_every_seconds" in every:  # killed once a step is checkpointed on both shards
+            until(lambda: _checkpointed(client, interrupted), 120, "no step checkpointed on both shards")
+            _kill_and_restart(cluster, client, interrupted, at_step=0)
+        else:
+            _kill_and_restart(cluster, client, interrupted, at_step=50)
         summary = follow(client, interrupted, tmp_path / "interrupted", show_progress=False)
         assert summary["state"] == "completed", summary
         assert summary["shard_restores"] == 1
@@ -137,10 +135,11 @@ def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_
 def test_a_pseudosync_run_checkpointed_by_seconds_goes_back_to_a_cut_with_its_replica(cluster, tmp_path):
     """rank 0 declares the cuts by its clock and hands its replica in at each: a shard restart
     finds a step with a checkpoint on both shards, and the run completes."""
-    spec = _spec("pseudosync", 600, checkpoint_every_steps=0, checkpoint_every_seconds=0.5)
+    spec = _spec("pseudosync", 600, checkpoint_every_steps=0, checkpoint_every_seconds=0.2)
     with Client(cluster.address) as client:
         run_id = client.submit(spec)
-        _kill_and_restart(cluster, client, run_id, at_step=100)
+        until(lambda: _checkpointed(client, run_id), 120, "no step checkpointed on both shards")
+        _kill_and_restart(cluster, client, run_id, at_step=0)
         summary = follow(client, run_id, tmp_path, show_progress=False)
         status = client.run(run_id).run
     assert summary["state"] == "completed", summary
