@@ -166,6 +166,8 @@ class Trainer:
     def _go_back(self, told: RolledBack, step: int) -> int:
         """The run went back to a checkpoint (`told` by a shard at step `step`): the scheme takes
         that step's state and the data goes back there; the step to go on from."""
+        if not self.session.still_in_run():  # a stopped run resumed: its next part is this worker's
+            raise RunAbandoned(f"run {self.assignment.run_id} was stopped")
         while True:  # told again while going back (another shard restarted): go back there
             _LOGGER.warning(
                 "run %s: a shard restarted; going back from step %d to %d", self.assignment.run_id, step, told.step

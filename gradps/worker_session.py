@@ -70,6 +70,9 @@ class WorkerSession:
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         self._remembered: set[str] = set()
         self._run_id = ""
+        # Counts the assignments taken: a run stopped and resumed at once is a new part of it.
+        self._part = 0
+        self._part_lock = threading.Lock()
         self._stop_run = threading.Event()
         self._closed = threading.Event()
         self.worker_id, interval_ms = self._join(join_timeout_s)
@@ -102,21 +105,34 @@ class WorkerSession:
 
     def _beat(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):
-            try:
-                r = self._stub.Heartbeat(
-                    cpb.HeartbeatRequest(worker_id=self.worker_id, run_id=self._run_id),
-                    timeout=max(1.0, interval_s * 2),
-                )
-            except grpc.RpcError:
-                continue  # the coordinator is briefly unreachable; the timeout decides
-            if r.stop:
-                self._stop_run.set()
-            if r.rejoin:
-                self._stop_run.set()
+            if self._heard(timeout_s=max(1.0, interval_s * 2)):
                 try:
                     self.worker_id, _ = self._join(5.0)
                 except ConnectionError:
                     pass
+
+    def _heard(self, timeout_s: float) -> bool:
+        """One heartbeat, which may say that the current run is over for this worker (stopped, or
+        handed to a new part of it); True when the coordinator asks it to join again."""
+        request = cpb.HeartbeatRequest(worker_id=self.worker_id, run_id=self._run_id)
+        part = self._part
+        try:
+            r = self._stub.Heartbeat(request, timeout=timeout_s)
+        except grpc.RpcError:
+            return False  # the coordinator is briefly unreachable; the timeout decides
+        # A stop of the part before an assignment taken meanwhile is not this part's.
+        with self._part_lock:
+            if (r.stop and part == self._part) or r.rejoin:
+                self._stop_run.set()
+        return r.rejoin
+
+    def still_in_run(self) -> bool:
+        """Ask the coordinator now, not at the next heartbeat, whether the current run is still this
+        worker's: before it follows the run back to a checkpoint, which a stopped run resumed at
+        once does too, with this worker's next part in it (True when the coordinator does not
+        answer). The heartbeat thread does any joining again."""
+        self._heard(timeout_s=5.0)
+        return not self.stopping
 
     def close(self) -> None:
         """Leave the cluster (best effort: a coordinator that does not answer at once declares this
@@ -145,8 +161,10 @@ class WorkerSession:
         )
         if not r.run_id:
             return None
-        self._run_id = r.run_id
-        self._stop_run.clear()
+        with self._part_lock:
+            self._run_id = r.run_id
+            self._part += 1
+            self._stop_run.clear()
         return Assignment(r.run_id, r.spec, r.rank, len(r.workers), tuple(r.workers))
 
     def placement(self, run_id: str, tensors: list[tensor_pb2.TensorSpec], total_steps: int) -> shard_pb2.Placement:

@@ -567,7 +567,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             record = self._runs.get(request.run_id)
             # A run it is not a live worker of is one to abandon (it rejoined under a new id, or the
             # run went on without it), as ReportMetrics says: so told, it learns nothing of another.
+            # So is its earlier part of a run stopped and resumed before it heard of the stop.
             gone = record is None or record.ended or request.worker_id not in record.live
+            gone |= worker.run_id == request.run_id and not worker.picked_up
             return cpb.HeartbeatResponse(stop=bool(request.run_id) and gone)
 
     def GetAssignment(

@@ -24,8 +24,10 @@ from gradps.channel import open_channel
 from gradps.v1 import shard_pb2, shard_pb2_grpc
 
 _LOGGER = logging.getLogger("gradps.coordinator")
-# How long a shard may take to answer a recovery's calls (it may still be starting).
-_ANSWER_S = 30.0
+# How long a shard may take to answer a recovery's calls (it may still be starting, and its
+# name may still resolve to the address it had before).
+_ANSWER_S = 60.0
+_NOT_UP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True)
@@ -149,18 +151,20 @@ def _steps(listed: shard_pb2.ListCheckpointsResponse) -> list[int]:
 
 
 def _call(address: str, method: str, request: Message) -> Any:
-    """`method` on the shard at `address`, over a channel of its own (a cached one may still be
-    backing off from the shard's death), made again while the shard is not up yet."""
+    """`method` on the shard at `address`, made again while the shard is not up yet or does not
+    answer (every call here may be made twice). Each try opens a channel of its own: a cached one
+    may still be backing off from the shard's death, or hold the address the shard's name had
+    before it restarted."""
     deadline = time.monotonic() + _ANSWER_S
-    with open_channel(address) as channel:
-        stub = shard_pb2_grpc.ShardServiceStub(channel)
-        while True:
+    while True:
+        with open_channel(address) as channel:
+            stub = shard_pb2_grpc.ShardServiceStub(channel)
             try:
                 return getattr(stub, method)(request, timeout=10, wait_for_ready=True)
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                if e.code() not in _NOT_UP or time.monotonic() > deadline:
                     raise
-                time.sleep(0.5)
+        time.sleep(0.5)
 
 
 def _reason(e: grpc.RpcError) -> str:

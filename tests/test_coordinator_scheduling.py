@@ -420,6 +420,30 @@ def test_a_leaving_worker_is_out_at_once_and_its_run_goes_on_without_it(patient)
             b.close()
 
 
+def test_a_worker_that_missed_a_stop_before_the_resume_leaves_its_earlier_part(patient):
+    """Stopped and resumed before the worker heard of the stop, the run is assigned to it again:
+    the loop still training the earlier part is told to stop (it must not follow the resumed run
+    back to its checkpoint beside the new part); the part it then picks up is its own."""
+    with Client(patient.address) as client:
+        until(lambda: len(_live_shards(client)) == 1, 10, "the shard did not register")
+        worker = WorkerSession(patient.address, name="missed-the-stop")
+        try:
+            run_id = client.submit(_spec(1))
+            assert worker.wait_for_assignment(wait_s=10).run_id == run_id
+            worker.placement(run_id, TENSORS, total_steps=3)
+            assert worker.still_in_run()
+            client.stop(run_id)
+            client.resume(run_id)
+            until(lambda: client.run(run_id).run.state == cpb.RUN_STATE_RUNNING, 10, "the run was not resumed")
+            assert not worker.still_in_run() and worker.stopping
+            assert worker.wait_for_assignment(wait_s=10).run_id == run_id
+            assert worker.still_in_run() and not worker.stopping
+            client.stop(run_id)
+            assert not worker.still_in_run()
+        finally:
+            worker.close()
+
+
 def test_done_before_the_last_step_is_refused_and_changes_nothing(patient):
     with Client(patient.address) as client:
         until(lambda: len(_live_shards(client)) == 1, 10, "the shard did not register")
