@@ -270,17 +270,10 @@ class RunCheckpoints:
         `load_step` does, for reading only: nothing here changes (not when the next checkpoint is
         due). None when there is no checkpoint at `step`; the newest one's CheckpointError when
         none there reads back whole."""
-        refused: CheckpointError | None = None
-        for sequence in reversed(self._at_step(step)):
-            try:
-                snapshot = checkpoint.read(self._path(sequence), self.expected, device)
-                run, _ = checkpoint.restore(snapshot, self.request, device)
-                return run
-            except CheckpointError as e:
-                refused = refused or e
-        if refused is not None:
-            raise refused
-        return None
+        found, refused = self._newest_whole(self._at_step(step), device)
+        if found is None and refused:
+            raise refused[0]
+        return found[2] if found is not None else None
 
     def load_step(self, step: int, device: torch.device) -> tuple[RunState, ShardRule, Written] | None:
         """The run from its newest checkpoint at `step` that reads back whole (None: none does)."""
@@ -291,19 +284,33 @@ class RunCheckpoints:
     ) -> tuple[RunState, ShardRule, Written] | None:
         """The run from its newest checkpoint (of `sequences`, default all) that reads back
         whole; older ones in turn when it does not (a line for each refused); None when none does."""
-        for sequence in reversed(self.sequences() if sequences is None else sequences):
-            path = self._path(sequence)
+        found, refused = self._newest_whole(self.sequences() if sequences is None else sequences, device)
+        for e in refused:
+            _LOGGER.warning("refused %s", e)
+        if found is None:
+            return None
+        sequence, snapshot, run, rule = found
+        m = snapshot.manifest
+        self.last_step, self.last_time = int(m["step"]), time.monotonic()
+        nbytes = sum(int(f["bytes"]) for f in m["files"].values())
+        written = Written(self._path(sequence), sequence, m["step"], m["min_version"], m["max_version"], nbytes, 0.0)
+        return run, rule, written
+
+    def _newest_whole(
+        self, sequences: list[int], device: torch.device
+    ) -> tuple[tuple[int, checkpoint.Snapshot, RunState, ShardRule] | None, list[CheckpointError]]:
+        """The newest of `sequences` that reads back whole, as read and restored (None: none
+        does), and why each newer one was refused, newest first."""
+        refused: list[CheckpointError] = []
+        for sequence in reversed(sequences):
             try:
-                snapshot = checkpoint.read(path, self.expected, device)
+                snapshot = checkpoint.read(self._path(sequence), self.expected, device)
                 run, rule = checkpoint.restore(snapshot, self.request, device)
             except CheckpointError as e:
-                _LOGGER.warning("refused %s", e)
+                refused.append(e)
                 continue
-            m = snapshot.manifest
-            self.last_step, self.last_time = int(m["step"]), time.monotonic()
-            nbytes = sum(int(f["bytes"]) for f in m["files"].values())
-            return run, rule, Written(path, sequence, m["step"], m["min_version"], m["max_version"], nbytes, 0.0)
-        return None
+            return (sequence, snapshot, run, rule), refused
+        return None, refused
 
     def _at_step(self, step: int) -> list[int]:
         """Sequence numbers of the complete checkpoints at `step`, oldest first."""

@@ -87,16 +87,10 @@ def recover(restart: Restart) -> Outcome:
 
 def _go_back_together(restart: Restart, listed: shard_pb2.ListCheckpointsResponse) -> Outcome:
     """Every shard of the run back to the newest step each has a checkpoint of, at a new epoch."""
-    try:
-        listings = [listed] + [
-            _listing(address, restart.run_id) for address in restart.shards if address != restart.restarted
-        ]
-    except grpc.RpcError as e:
-        return Outcome(error=f"a shard of the run could not list its checkpoints: {_reason(e)}")
     request = _restore(restart, restart.restore_epoch + 1)
     # The restarted shard last: a worker it tells to go back finds the others gone back already.
     order = sorted(restart.shards, key=lambda a: a == restart.restarted)
-    return _to_common_step(request, order, listings, f"(shard {restart.restarted} restarted)")
+    return _to_common_step(request, order, {restart.restarted: listed}, f"(shard {restart.restarted} restarted)")
 
 
 def go_back(request: shard_pb2.RestoreRunRequest, shards: tuple[str, ...], why: str) -> Outcome:
@@ -104,22 +98,22 @@ def go_back(request: shard_pb2.RestoreRunRequest, shards: tuple[str, ...], why: 
     after `request.epoch`, with the request's membership: a failed or stopped run taken up by
     new workers (`request.workers`), or a running one whose workers take one replica up again
     (a new worker enters). `why` ends the message when there is no such step."""
-    try:
-        listings = [_listing(address, request.run_id) for address in shards]
-    except grpc.RpcError as e:
-        return Outcome(error=f"a shard of the run could not list its checkpoints: {_reason(e)}")
     request.epoch += 1
-    return _to_common_step(request, list(shards), listings, why)
+    return _to_common_step(request, list(shards), {}, why)
 
 
 def _to_common_step(
     request: shard_pb2.RestoreRunRequest,
     shards: list[str],
-    listings: list[shard_pb2.ListCheckpointsResponse],
+    listed: dict[str, shard_pb2.ListCheckpointsResponse],
     why: str,
 ) -> Outcome:
-    """`request` (its epoch and membership) with the newest step that every one of `listings`
-    has a checkpoint of, sent to `shards` in turn."""
+    """`request` (its epoch and membership) with the newest step that every one of `shards` has
+    a checkpoint of, sent to them in turn; `listed`: the listings already made, by shard."""
+    try:
+        listings = [listed[a] if a in listed else _listing(a, request.run_id) for a in shards]
+    except grpc.RpcError as e:
+        return Outcome(error=f"a shard of the run could not list its checkpoints: {_reason(e)}")
     common = set.intersection(*(set(_steps(listing)) for listing in listings))
     if not common:
         return Outcome(error=f"no step has a checkpoint on every shard of the run {why}")

@@ -63,8 +63,8 @@ from gradps.shared_memory import Segment, SegmentError, check_name
 from gradps.transport import INLINE_IN, INLINE_OUT, Item, Outbound, frame, unframe
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.call_routes import MAX_CLAIM_S, sending
-from ps_server.checkpoint import CheckpointError
-from ps_server.checkpointing import KEEP, Listed, RunCheckpoints, ShardCheckpoints
+from ps_server.checkpoint import CheckpointError, Written
+from ps_server.checkpointing import KEEP, Listed, Outcome, RunCheckpoints, ShardCheckpoints
 from ps_server.pulled import codec_name, fixed_payload, part_meta, pulled_parts
 from ps_server.received import (
     Call,
@@ -420,16 +420,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             raise TimedOut(f"checkpoint {sequence} of run {run.run_id!r} is still being written")
         if outcome.written is None:
             raise Unavailable(outcome.error)
-        w = outcome.written
-        return shard_pb2.CheckpointRunResponse(
-            sequence=w.sequence,
-            step=w.step,
-            min_version=w.min_version,
-            max_version=w.max_version,
-            bytes=w.nbytes,
-            snapshot_seconds=outcome.snapshot_seconds,
-            write_seconds=w.seconds,
-        )
+        return _checkpointed(outcome.written, outcome)
 
     def ListCheckpoints(
         self, request: shard_pb2.ListCheckpointsRequest, context: grpc.ServicerContext
@@ -602,12 +593,18 @@ def _at_cut(run: RunState, saving: RunCheckpoints, step: int, deadline: float) -
     if found is None:
         raise TimedOut(f"run {run.run_id!r}: {waiting}")
     listed, outcome = found
+    return _checkpointed(listed, outcome)
+
+
+def _checkpointed(c: Listed | Written, outcome: Outcome | None) -> shard_pb2.CheckpointRunResponse:
+    """CheckpointRun's answer: checkpoint `c`, with the times of its writing where this shard
+    process wrote it (`outcome`)."""
     return shard_pb2.CheckpointRunResponse(
-        sequence=listed.sequence,
-        step=listed.step,
-        min_version=listed.min_version,
-        max_version=listed.max_version,
-        bytes=listed.nbytes,
+        sequence=c.sequence,
+        step=c.step,
+        min_version=c.min_version,
+        max_version=c.max_version,
+        bytes=c.nbytes,
         snapshot_seconds=outcome.snapshot_seconds if outcome else 0.0,
         write_seconds=outcome.written.seconds if outcome and outcome.written else 0.0,
     )

@@ -321,19 +321,28 @@ def test_only_the_last_k_are_kept_and_at_most_one_is_written_at_a_time(tmp_path)
     assert not saving.folder.exists()
 
 
-def test_the_interval_counts_steps_or_seconds(tmp_path):
-    request = _request("r1", "sync", SGD)
-    request.spec.checkpoint_every_steps = 2
-    run, rule = _opened(request)
-    saving = _saving(tmp_path, request)
+def _due_after_each_step(saving, run, rule, steps: int, declare_ahead: int = 0) -> list[bool]:
+    """Steps 0 to `steps` - 1 in turn: whether a checkpoint was due after each (one is written
+    when it is); with `declare_ahead`, each step then declares a cut that many steps ahead."""
     due = []
-    for step in range(5):
+    for step in range(steps):
         _step(run, rule, step)
         with run.cond:
             due.append(saving.due(rule))
             if due[-1]:
                 saving.start(run, rule)
+            if declare_ahead:
+                saving.declare(rule, step + declare_ahead)
         saving.wait_idle(30)
+    return due
+
+
+def test_the_interval_counts_steps_or_seconds(tmp_path):
+    request = _request("r1", "sync", SGD)
+    request.spec.checkpoint_every_steps = 2
+    run, rule = _opened(request)
+    saving = _saving(tmp_path, request)
+    due = _due_after_each_step(saving, run, rule, 5)
     assert due == [False, True, False, True, False]  # at steps 2 and 4 (sync: steps completed)
     timed = _request("r2", "asgd", SGD)
     timed.spec.checkpoint_every_seconds = 0.2
@@ -359,15 +368,8 @@ def test_a_common_cut_run_checkpoints_at_the_cut_rank_0_declares_not_by_the_shar
         run.cut_asked = True
         saving.declare(rule, 3)  # at step 0, declared for step 3: taken
         assert (run.cut_step, run.cut_asked) == (3, False)
-    due = []
-    for step in range(4):
-        _step(run, rule, step)
-        with run.cond:
-            due.append(saving.due(rule))
-            if due[-1]:
-                saving.start(run, rule)
-            saving.declare(rule, step + 3)  # declared late: step (step + 3) - 3 is complete
-        saving.wait_idle(30)
+    # Each step also declares the step 3 ahead, late: step (step + 3) - 3 is complete.
+    due = _due_after_each_step(saving, run, rule, 4, declare_ahead=3)
     assert due == [False, False, True, False]  # at step 3 only
     assert run.cut_step == 3
     assert [c.step for c in saving.listing().values()] == [3]
