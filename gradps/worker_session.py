@@ -111,13 +111,13 @@ class WorkerSession:
                 except ConnectionError:
                     pass
 
-    def _heard(self, timeout_s: float) -> bool:
+    def _heard(self, timeout_s: float, wait_for_ready: bool = False) -> bool:
         """One heartbeat, which may say that the current run is over for this worker (stopped, or
         handed to a new part of it); True when the coordinator asks it to join again."""
         request = cpb.HeartbeatRequest(worker_id=self.worker_id, run_id=self._run_id)
         part = self._part
         try:
-            r = self._stub.Heartbeat(request, timeout=timeout_s)
+            r = self._stub.Heartbeat(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError:
             return False  # the coordinator is briefly unreachable; the timeout decides
         # A stop of the part before an assignment taken meanwhile is not this part's.
@@ -130,8 +130,8 @@ class WorkerSession:
         """Ask the coordinator now, not at the next heartbeat, whether the current run is still this
         worker's: before it follows the run back to a checkpoint, which a stopped run resumed at
         once does too, with this worker's next part in it (True when the coordinator does not
-        answer). The heartbeat thread does any joining again."""
-        self._heard(timeout_s=5.0)
+        answer within 5 s). The heartbeat thread does any joining again."""
+        self._heard(timeout_s=5.0, wait_for_ready=True)
         return not self.stopping
 
     def close(self) -> None:
@@ -185,9 +185,12 @@ class WorkerSession:
         return r
 
     def report(self, run_id: str, metrics: cpb.Metrics) -> None:
-        """Send metrics; raise RunAbandoned when the coordinator says the run is over for us."""
+        """Send metrics; raise RunAbandoned when the coordinator says the run is over for us. A
+        report made while the coordinator restarts waits for it (30 s at most): only one in flight
+        when it dies is lost."""
         metrics.worker_id = self.worker_id
-        r = self._stub.ReportMetrics(cpb.ReportMetricsRequest(run_id=run_id, metrics=metrics), timeout=30)
+        request = cpb.ReportMetricsRequest(run_id=run_id, metrics=metrics)
+        r = self._stub.ReportMetrics(request, timeout=30, wait_for_ready=True)
         if metrics.done or metrics.error:
             self._run_id = ""
         if r.stop and not metrics.done and not metrics.error:
