@@ -114,8 +114,9 @@ class WorkerSession:
     def _heard(self, timeout_s: float, wait_for_ready: bool = False) -> bool:
         """One heartbeat, which may say that the current run is over for this worker (stopped, or
         handed to a new part of it); True when the coordinator asks it to join again."""
-        request = cpb.HeartbeatRequest(worker_id=self.worker_id, run_id=self._run_id)
-        part = self._part
+        with self._part_lock:  # the run and its part as one: an assignment may be taken meanwhile
+            request = cpb.HeartbeatRequest(worker_id=self.worker_id, run_id=self._run_id)
+            part = self._part
         try:
             r = self._stub.Heartbeat(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError:
