@@ -253,11 +253,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except ValueError as e:
             raise Invalid(str(e)) from None
         _check_imports_allowed(spec, self.allow_import)
-        run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
-        status = cpb.RunStatus(run_id=run_id, spec=spec, state=cpb.RUN_STATE_PENDING, submitted_at=time.time())
         with self._cond:
             if len(self._pending) + self._running() >= MAX_ACTIVE_RUNS:
                 raise TooLarge(f"{MAX_ACTIVE_RUNS} runs are pending or running already; stop one first")
+            run_id = self._new_run_id()
+            status = cpb.RunStatus(run_id=run_id, spec=spec, state=cpb.RUN_STATE_PENDING, submitted_at=time.time())
             record = RunRecord(status=status)
             self._runs[run_id] = record
             self._pending[run_id] = record
@@ -267,6 +267,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             "run %s submitted: %s/%s/%s", run_id, spec.scheme, spec.model, spec.dataset, extra={"run_id": run_id}
         )
         return cpb.SubmitRunResponse(run_id=run_id)
+
+    def _new_run_id(self) -> str:
+        """When the run was submitted, and a random suffix no run this coordinator knows has: runs
+        submitted in the same second could draw the same one (then the second one took the first's
+        record and its shards refused it)."""
+        while True:
+            run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+            if run_id not in self._runs:
+                return run_id
 
     def GetRun(self, request: cpb.GetRunRequest, context: grpc.ServicerContext) -> cpb.GetRunResponse:
         with self._cond:

@@ -204,6 +204,21 @@ def test_submit_run_refuses_a_spec_that_would_fail_later(lone, fields):
     assert lone.ListRuns(cpb.ListRunsRequest(), timeout=10).runs == before
 
 
+def test_runs_submitted_in_one_second_never_share_an_id(lone, monkeypatch):
+    # The random suffix drawn twice in a row, as two runs submitted in one second may draw it.
+    draws = iter(["beef", "beef", "beef", "cafe"])
+    monkeypatch.setattr(coordinator.secrets, "token_hex", lambda n: next(draws))
+    spec = run_pb2.RunSpec(scheme="asgd", workers=1, steps=5)
+    ids = [lone.SubmitRun(cpb.SubmitRunRequest(spec=spec), timeout=10).run_id for _ in range(2)]
+    try:
+        assert ids[0].endswith("-beef") and ids[1] != ids[0], ids
+        listed = {r.run_id for r in lone.ListRuns(cpb.ListRunsRequest(), timeout=10).runs}
+        assert set(ids) <= listed
+    finally:
+        for run_id in ids:
+            lone.StopRun(cpb.StopRunRequest(run_id=run_id), timeout=10)
+
+
 # ---- RegisterShard (a coordinator alone) ------------------------------------------------------
 
 BAD_ADDRESSES = [":", "host:", ":50052", "host:0", "host:65536", "host:port", "::1:50052", "[::1:50052", "a b:1"]
