@@ -82,17 +82,26 @@ def tune_allocator() -> bool:
     return _allocator_tuned
 
 
-def open_channel(address: str, token: TokenSource = None, tls: TlsFiles | None = None) -> grpc.Channel:
+def open_channel(
+    address: str, token: TokenSource = None, tls: TlsFiles | None = None, *, in_caller_thread: bool = False
+) -> grpc.Channel:
     """A channel to `address` ("host:port") with gradps's message limits, sending `token` (a
     string, or a function asked per call) as `authorization: Bearer` with every call; without one,
     `gradps.auth.client_tokens.client_token` finds it (GRADPS_TOKEN, GRADPS_TOKEN_FILE, ...).
-    TLS with `tls`; without, where `gradps.auth.tls.client_tls` finds it (GRADPS_TLS_CA, ...)."""
+    TLS with `tls`; without, where `gradps.auth.tls.client_tls` finds it (GRADPS_TLS_CA, ...).
+    `in_caller_thread`: its server-streaming calls are read in the thread that iterates them, as
+    unary calls are, rather than through a thread grpcio starts whenever the channel's first
+    call begins (a thread per call where calls follow one another); such a call must then be
+    read and cancelled by that thread only."""
     tune_allocator()
     tls = tls or client_tls(address)
+    options = _OPTIONS
+    if in_caller_thread:
+        options += ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
     if tls is None:
-        channel = grpc.insecure_channel(address, options=_OPTIONS)
+        channel = grpc.insecure_channel(address, options=options)
     else:
-        channel = grpc.secure_channel(address, channel_credentials(tls), options=_OPTIONS)
+        channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
     return with_token(channel, token if token is not None else client_token(address))
 
 

@@ -145,7 +145,10 @@ class ParameterClient:
             link.close()
 
     def _each_shard(self, fn: Callable[[ShardLink], T], pool: ThreadPoolExecutor | None = None) -> list[T]:
-        """fn(link) for every shard that owns parts, in parallel."""
+        """fn(link) for every shard that owns parts, in parallel; in this thread when one does (a
+        small model is placed on one shard)."""
+        if len(self._owners) == 1:
+            return [fn(self.links[self._owners[0]])]
         return list((pool or self._pool).map(lambda s: fn(self.links[s]), self._owners))
 
     def register(self, tensors: dict[str, torch.Tensor], overwrite: bool = False, replica_step: int = 0) -> None:
@@ -237,9 +240,9 @@ class ParameterClient:
         start = time.perf_counter()
 
         def send(link: ShardLink) -> tuple[int, int, int]:
-            # Encoded while earlier parts are on the wire (gRPC consumes the messages from its own
-            # thread), and kept: a retry frames them again without encoding again, which would
-            # apply the error feedback twice.
+            # Encoded while earlier parts are on the wire (a call of many messages: gRPC consumes
+            # them from its own thread), and kept: a retry frames them again without encoding
+            # again, which would apply the error feedback twice.
             encoded = _Replay(self._encoded(link.index, flat, whole))
             response, pulled = call(link, encoded)
             self.cuts.learn(response.cut_step, response.cut_asked)

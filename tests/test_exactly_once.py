@@ -380,15 +380,16 @@ def _cut_first_attempts(client: ParameterClient, cuts: Iterator[tuple[str, int]]
         real = link._push_pull
         retrying = [False]
 
-        def cut(messages: Iterator[bytes], timeout: float, real=real, retrying=retrying) -> Iterator[bytes]:
+        def cut(messages: Iterator[bytes], out, timeout: float, real=real, retrying=retrying) -> Iterator[bytes]:
             if retrying[0]:  # the attempt after a cut one runs whole; the next call's first is cut
                 retrying[0] = False
-                return real(messages, timeout=timeout)
+                return real(messages, out, timeout=timeout)
             retrying[0] = True
             with lock:
                 how, sent = next(cuts)
-            # Lazily: a streamed part's bytes follow its message only when the next is asked for.
-            code = _cut(lambda requests, t: real(requests, timeout=t), messages, sent, how)
+            # Streamed, lazily: a streamed part's bytes follow its message only when the next is
+            # asked for, and a call of one message is cut before its client half-closes it.
+            code = _cut(lambda requests, t: real.streamed(requests, timeout=t), messages, sent, how)
             with lock:
                 seen.append(code)
             raise _Dropped() if how == "cancel" else _Expired()

@@ -272,12 +272,12 @@ def test_a_push_whose_stream_breaks_is_retried_whole(shards_only, transport):
         for shard, link in enumerate(client.links):  # the real call, with a fault injected once
             call = link._push
 
-            def flaky(messages, timeout, call=call, shard=shard):
+            def flaky(messages, out, timeout, call=call, shard=shard):
                 if shard not in broken:
                     broken.append(shard)
                     next(messages)
                     raise _BrokenStream()
-                return call(messages, timeout=timeout)
+                return call(messages, out, timeout=timeout)
 
             link._push = flaky
         grad = {n: torch.randn_like(t) for n, t in tensors.items()}

@@ -207,6 +207,44 @@ def test_a_shard_that_cannot_open_the_segment_gets_payloads_inline(shards_only, 
         assert torch.equal(pulled[name], expected[name]), name
 
 
+def test_pushes_and_pulls_through_shared_memory_start_no_thread(shards_only, monkeypatch):
+    # Each call is one message each way, made and read by the calling thread: a thread started
+    # per call (grpcio's for a streamed request, or for a channel whose call began) costs more
+    # than the round trip on a busy host.
+    tensors = {f"t{i}": torch.randn(3000) for i in range(4)}
+    spec = run_pb2.RunSpec(
+        scheme="asgd", workers=1, steps=100, part_size=4096, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1)
+    )
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors)
+    client = clients[0]
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        start(thread)
+
+    try:
+        assert len({p.shard for p in placement.parts}) > 1 and len(client.shared_shards) > 1
+        client.register(tensors)
+        pulled = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        grad = {n: torch.ones_like(t) for n, t in tensors.items()}
+        for step in range(2):  # the client's pools start their threads
+            client.push_pull(grad, step, pulled)
+            client.pull(pulled)
+        monkeypatch.setattr(threading.Thread, "start", counted)
+        for step in range(2, 12, 2):
+            client.push_pull(grad, step, pulled)
+            client.push(grad, step + 1)
+            client.pull(pulled)
+        monkeypatch.undo()
+        for name, t in tensors.items():  # 12 pushes of ones at lr 0.1
+            torch.testing.assert_close(pulled[name], t - 1.2, rtol=0, atol=1e-5, msg=name)
+        assert started == []
+    finally:
+        leave(sessions, clients)
+
+
 def test_bad_segments_and_regions_are_rejected_and_change_nothing(shards_only):
     tensors = {"w": torch.randn(1000)}
     spec = run_pb2.RunSpec(scheme="asgd", workers=2, steps=100, optimizer=run_pb2.OptimizerSpec(name="sgd", lr=0.1))

@@ -23,6 +23,10 @@ from gradps.wire import Buffer
 class Outbound:
     """How one call's outgoing payloads travel; by default inside the messages."""
 
+    # Whether a payload's bytes follow its message (`follow`): a call's messages are then made
+    # one at a time, each after the one before it is on its way.
+    follows = False
+
     def name_in(self, header: Message) -> None:
         """Name this route in the call's header (a field every message of the call repeats)."""
 

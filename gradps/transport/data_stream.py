@@ -40,6 +40,8 @@ class StreamOut(Outbound):
     `name`: whether this side names the stream in its messages (the worker does; the shard answers
     on the stream the worker's request named)."""
 
+    follows = True
+
     def __init__(self, sender: CallSender, snapshot: bool = False, name: bool = True) -> None:
         self._sender = sender
         self._snapshot = snapshot
