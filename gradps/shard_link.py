@@ -247,7 +247,7 @@ def _announcing(header: M, count: int) -> M:
 
 
 class _Calls:
-    """One bulk method, called as the client-streaming call it is or, when the call's request is
+    """One bulk method, called as the request-streaming call it is or, when the call's request is
     one message, as a unary-request call on the same method: the same bytes on the wire, which
     grpcio sends from the calling thread. A streamed request is read by a thread grpcio starts for
     every call; on two busy cores starting it took longer than the round trip (py-spy)."""
@@ -256,7 +256,9 @@ class _Calls:
         self.streamed, self._single = streamed, single
 
     def __call__(self, messages: Iterator[bytes], out: Outbound, timeout: float) -> Any:
-        if not out.follows:  # a message is made before the one before it is sent: look ahead
+        # Payloads in the messages or in shared memory: the next message can be made before this
+        # one is sent (not where a payload's bytes follow its message on a data stream).
+        if not out.follows:
             ahead = list(itertools.islice(messages, 2))
             if len(ahead) == 1:
                 return self._single(ahead[0], timeout=timeout)
