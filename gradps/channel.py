@@ -95,7 +95,7 @@ def open_channel(
     read and cancelled by that thread only."""
     tune_allocator()
     tls = tls or client_tls(address)
-    options = _OPTIONS
+    options: tuple[tuple[str, object], ...] = _OPTIONS
     if in_caller_thread:
         options += ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
     if tls is None:
