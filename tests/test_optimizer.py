@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradps.optimizer import ShardOptimizer, asynchrony_aware, learning_rate, make_optimizer, validate
+from gradps.optimizer import (
+    ShardOptimizer,
+    asynchrony_aware,
+    learning_rate,
+    make_optimizer,
+    model_averaged,
+    validate,
+)
 from gradps.v1 import run_pb2
 
 SPECS = [
@@ -91,3 +98,13 @@ def test_asynchrony_aware_momentum_lowers_sgd_momentum_by_what_p_workers_add():
     adam = run_pb2.OptimizerSpec(name="adam", lr=0.001, beta1=0.9)
     assert asynchrony_aware(adam, 4) == adam
     assert spec.momentum == pytest.approx(0.9)  # the run's own spec is not changed
+
+
+def test_a_model_averaged_adam_steps_sqrt_p_further_and_sgd_as_it_is():
+    adam = run_pb2.OptimizerSpec(name="adamw", lr=0.001, beta1=0.9, weight_decay=0.01)
+    four = model_averaged(adam, 4)
+    assert four.lr == pytest.approx(0.002) and (four.beta1, four.weight_decay) == (adam.beta1, adam.weight_decay)
+    assert model_averaged(adam, 1) == adam
+    assert adam.lr == pytest.approx(0.001)  # the run's own spec is not changed
+    sgd = run_pb2.OptimizerSpec(name="sgd", lr=0.05, momentum=0.9)
+    assert model_averaged(sgd, 4) == sgd

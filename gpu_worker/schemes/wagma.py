@@ -11,7 +11,7 @@ import torch
 
 from gpu_worker.schemes.base import Replica, WorkerScheme
 from gpu_worker.schemes.group_schedule import default_group_size, group_of
-from gradps.optimizer import ScheduledOptimizer
+from gradps.optimizer import ScheduledOptimizer, model_averaged
 
 
 class WagmaWorker(WorkerScheme):
@@ -22,7 +22,8 @@ class WagmaWorker(WorkerScheme):
         self.world, self.rank, self.ids = a.world, a.rank, a.workers
         self.group_size = sp.group_size or default_group_size(self.world)
         self.tau = sp.tau or 10
-        self.optimizer = ScheduledOptimizer(list(self.params.values()), replica.spec.optimizer, replica.total_steps)
+        local = model_averaged(replica.spec.optimizer, self.world)
+        self.optimizer = ScheduledOptimizer(list(self.params.values()), local, replica.total_steps)
         self._consensus: torch.nn.Module | None = None  # a copy of the model, for evaluation
 
     def start(self) -> None:
