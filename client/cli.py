@@ -33,6 +33,7 @@ from gradps.auth.options import client_tls_options, use_client_tls
 from gradps.auth.tokens import ROLES, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
 from gradps.codecs import codec_syntax, parse_codec
 from gradps.device import device_option, resolve_option
+from gradps.divergence import known_to_diverge
 from gradps.netem import LAYOUTS, Layout
 from gradps.parameter_client import TRANSPORTS
 from gradps.run_spec import default_spec
@@ -165,13 +166,17 @@ def spec_options(fn: F) -> F:
 
 def build_spec(scheme: str, workers: int, **o: Any) -> run_pb2.RunSpec:
     """The CLI's options as `client.sdk.run_spec` builds them, checked as the coordinator will
-    check them: a bad combination is a usage error now, not after an embedded cluster has started."""
+    check them: a bad combination is a usage error now, not after an embedded cluster has started,
+    and a setting known to diverge is said in one line before the run starts."""
     straggler = o.pop("straggler", None)
     rank, factor = straggler or (0, 0.0)
     try:
-        return run_spec(scheme, workers=workers, straggler_rank=rank, straggler_factor=factor, **o)
+        spec = run_spec(scheme, workers=workers, straggler_rank=rank, straggler_factor=factor, **o)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    for line in known_to_diverge(spec):
+        click.echo(f"warning: {line}", err=True)
+    return spec
 
 
 @click.group(context_settings=_CONTEXT)
