@@ -103,8 +103,11 @@ def test_asynchrony_aware_momentum_lowers_sgd_momentum_by_what_p_workers_add():
 def test_a_model_averaged_adam_steps_sqrt_p_further_and_sgd_as_it_is():
     adam = run_pb2.OptimizerSpec(name="adamw", lr=0.001, beta1=0.9, weight_decay=0.01)
     four = model_averaged(adam, 4)
-    assert four.lr == pytest.approx(0.002) and (four.beta1, four.weight_decay) == (adam.beta1, adam.weight_decay)
+    assert four.lr == pytest.approx(0.002) and four.beta1 == adam.beta1
+    assert four.lr * four.weight_decay == pytest.approx(adam.lr * adam.weight_decay)  # decoupled decay as it was
     assert model_averaged(adam, 1) == adam
+    l2 = run_pb2.OptimizerSpec(name="adam", lr=0.001, weight_decay=0.01)  # Adam's decay is in the gradient
+    assert model_averaged(l2, 4).weight_decay == pytest.approx(0.01)
     assert adam.lr == pytest.approx(0.001)  # the run's own spec is not changed
     sgd = run_pb2.OptimizerSpec(name="sgd", lr=0.05, momentum=0.9)
     assert model_averaged(sgd, 4) == sgd
