@@ -203,8 +203,8 @@ def model_averaged(spec: run_pb2.OptimizerSpec, workers: int) -> run_pb2.Optimiz
     the signal than one Adam step on the union's mean gradient, whose noise is sqrt(P) times
     smaller. So Adam's and AdamW's lr is multiplied by sqrt(P); AdamW's decoupled decay, lr * wd
     per step and no noise, stays as it was. Measured on digits (4 workers,
-    Adam lr 0.001, docs/schemes.md): 300-470 steps to 95% and 2 of 4 straggler runs never there;
-    with the lr times sqrt(P) 200-220 steps (sync 210) and 350 under the straggler."""
+    Adam lr 0.001, docs/schemes.md): 300-470 steps to 95% and 3 of 4 straggler runs never there;
+    with the lr times sqrt(P) 200-280 steps (sync 210) and 350-420 under the straggler."""
     out = run_pb2.OptimizerSpec()
     out.CopyFrom(spec)
     if (out.name or "sgd") != "sgd":
