@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,6 +36,7 @@ import torch
 
 from gradps.errors import one_line
 from gradps.v1 import shard_pb2
+from ps_server import direct_io
 from ps_server.run_state import RunState
 from ps_server.saved_state import Saved, part_of
 from ps_server.schemes import ShardRule, open_run
@@ -44,7 +46,6 @@ MANIFEST = "manifest.json"
 PREFIX = "ckpt-"
 # Tensors per file up to about this many bytes: a file is hashed and written as a unit.
 _FILE_BYTES = 256 << 20
-_WRITE_CHUNK = 16 << 20
 # Tests only: "<marker>@<point>" pauses a write (forever, until the process is killed) at
 # `mid-file` (half of the first file written) or `before-rename` (every file and the manifest
 # written, the folder not yet renamed), after creating <marker>; a marker that exists already
@@ -66,6 +67,15 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message is one line naming the file."""
 
 
+@dataclass(frozen=True)
+class FileImage:
+    """One safetensors file of a snapshot, byte for byte, in page-aligned memory."""
+
+    name: str
+    buffer: mmap.mmap
+    size: int
+
+
 @dataclass
 class Snapshot:
     """A run's state on one shard at one moment, copied: written after the lock is released."""
@@ -73,7 +83,9 @@ class Snapshot:
     run_id: str
     # The manifest without `files` (added when written).
     manifest: dict[str, Any]
+    # Taken: views of `files`; read back: the tensors loaded.
     tensors: dict[str, torch.Tensor]
+    files: list[FileImage] = field(default_factory=list)
     # Seconds the run's lock was held to take it.
     seconds: float = 0.0
 
@@ -103,9 +115,17 @@ def open_run_digest(request: shard_pb2.OpenRunRequest) -> str:
 # ---- the snapshot (under the run's lock) --------------------------------------------------------
 
 
-def take(run: RunState, rule: ShardRule, shard_id: str, sequence: int, open_digest: str) -> Snapshot:
+def take(
+    run: RunState,
+    rule: ShardRule,
+    shard_id: str,
+    sequence: int,
+    open_digest: str,
+    buffers: direct_io.Buffers | None = None,
+) -> Snapshot:
     """Copy everything the run needs to go on (call with `run.cond` held): parts' values and
-    versions, optimizer state and schedule position, membership, exactly-once keys, the rule's state."""
+    versions, optimizer state and schedule position, membership, exactly-once keys, the rule's
+    state. The tensors are copied straight into the files' bytes, in memory from `buffers`."""
     began = time.perf_counter()
     state, rule_state = Saved("run/"), Saved("rule/")
     opt = run.optimizer
@@ -150,8 +170,43 @@ def take(run: RunState, rule: ShardRule, shard_id: str, sequence: int, open_dige
         },
         "rule": rule_state.fields,
     }
-    tensors = {**state.tensors, **rule_state.tensors}
-    return Snapshot(run.run_id, manifest, tensors, time.perf_counter() - began)
+    files, copies = _images({**state.tensors, **rule_state.tensors}, buffers or direct_io.Buffers())
+    return Snapshot(run.run_id, manifest, copies, files, time.perf_counter() - began)
+
+
+def _images(
+    tensors: dict[str, torch.Tensor], buffers: direct_io.Buffers
+) -> tuple[list[FileImage], dict[str, torch.Tensor]]:
+    """`tensors` copied into the safetensors files that hold them (an 8-byte little-endian header
+    size, a JSON header padded with spaces to 8 bytes, the tensors' bytes in a row); the files,
+    and the copies as views of them."""
+    files: list[FileImage] = []
+    copies: dict[str, torch.Tensor] = {}
+    for n, group in enumerate(_files_of(tensors)):
+        # Widest elements first: every tensor starts aligned to its element's size.
+        keys = sorted(group, key=lambda k: -tensors[k].element_size())
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key in keys:
+            t = tensors[key]
+            nbytes = t.numel() * t.element_size()
+            header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        head = struct.pack("<Q", len(encoded)) + encoded
+        image = FileImage(f"tensors-{n:05d}.safetensors", buffers.get(len(head) + offset), len(head) + offset)
+        image.buffer[: len(head)] = head
+        for key in keys:
+            t = tensors[key]
+            if not t.numel():
+                copies[key] = torch.empty(t.shape, dtype=t.dtype)
+                continue
+            start = len(head) + header[key]["data_offsets"][0]
+            copies[key] = torch.frombuffer(image.buffer, dtype=t.dtype, count=t.numel(), offset=start).view(t.shape)
+            copies[key].copy_(t)
+        files.append(image)
+    return files, copies
 
 
 def _optimizer_entry(state: dict[str, Any], saved: Saved) -> dict[str, Any]:
@@ -195,12 +250,12 @@ def write(snapshot: Snapshot, run_dir: Path) -> Written:
 def _write_files(snapshot: Snapshot, temp: Path) -> dict[str, dict[str, Any]]:
     """The snapshot's safetensors files and its manifest in `temp`, each fsynced, and `temp` too."""
     files: dict[str, dict[str, Any]] = {}
-    for n, keys in enumerate(_files_of(snapshot.tensors)):
-        name = f"tensors-{n:05d}.safetensors"
-        with open(temp / name, "wb") as f:
-            size, digest = _write_safetensors(f, {k: snapshot.tensors[k] for k in keys}, pause=n == 0)
-            _sync(f)
-        files[name] = {"bytes": size, "sha256": digest}
+    for n, image in enumerate(snapshot.files):
+        halfway = image.size // 2 if n == 0 and _pausing("mid-file") else -1
+        digest = direct_io.write_file(
+            temp / image.name, memoryview(image.buffer)[: image.size], halfway, lambda: _pause_for_tests("mid-file")
+        )
+        files[image.name] = {"bytes": image.size, "sha256": digest}
     manifest = {**snapshot.manifest, "files": files}
     with open(temp / MANIFEST, "wb") as f:
         f.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -234,44 +289,6 @@ def _files_of(tensors: dict[str, torch.Tensor]) -> Iterable[list[str]]:
     yield group
 
 
-def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], pause: bool) -> tuple[int, str]:
-    """Write `tensors` in the safetensors format (8-byte little-endian header size, a JSON header
-    padded with spaces to 8 bytes, the tensors' bytes in header order), straight from the tensors'
-    memory: no serialized copy. Returns the bytes written and their SHA-256."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    digest = hashlib.sha256()
-    head = struct.pack("<Q", len(encoded)) + encoded
-    f.write(head)
-    digest.update(head)
-    written, half = len(head), offset // 2
-    for t in tensors.values():
-        data = _bytes_of(t)
-        for start in range(0, len(data), _WRITE_CHUNK):
-            chunk = data[start : start + _WRITE_CHUNK]
-            f.write(chunk)
-            digest.update(chunk)
-            if pause and written - len(head) < half <= written - len(head) + len(chunk):
-                f.flush()
-                _pause_for_tests("mid-file")
-            written += len(chunk)
-    return written, digest.hexdigest()
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes (a CPU copy of a device tensor; the tensor's own memory on the CPU)."""
-    t = t.detach().to("cpu").contiguous().reshape(-1)
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: the same 2 bytes as int16
-        t = t.view(torch.int16)
-    return t.numpy().data.cast("B") if t.numel() else memoryview(b"")
-
-
 def _sync(f: BinaryIO) -> None:
     f.flush()
     os.fsync(f.fileno())
@@ -295,11 +312,15 @@ def remove_tree(path: Path) -> None:
     path.rmdir()
 
 
+def _pausing(point: str) -> bool:
+    marker, _, at = os.environ.get(PAUSE_ENV, "").rpartition("@")
+    return bool(marker) and at == point and not os.path.exists(marker)
+
+
 def _pause_for_tests(point: str) -> None:
-    setting = os.environ.get(PAUSE_ENV, "")
-    marker, _, at = setting.rpartition("@")
-    if not marker or at != point or os.path.exists(marker):
+    if not _pausing(point):
         return
+    marker = os.environ[PAUSE_ENV].rpartition("@")[0]
     Path(marker).write_text(str(os.getpid()))
     while True:  # until killed: what a crash at this point leaves is what the test looks at
         time.sleep(3600)
@@ -321,9 +342,9 @@ def read(folder: Path, expected: Expected, device: torch.device) -> Snapshot:
     """The checkpoint in `folder`, verified: its manifest, each file's size and SHA-256, its run,
     shard and placement. CheckpointError (one line naming the file) otherwise."""
     manifest = _manifest(folder / MANIFEST)
-    for field, want in (("run_id", expected.run_id), ("shard_id", expected.shard_id)):
-        if manifest[field] != want:
-            raise CheckpointError(f"{folder / MANIFEST}: a checkpoint of {field} {manifest[field]!r}, not {want!r}")
+    for name, want in (("run_id", expected.run_id), ("shard_id", expected.shard_id)):
+        if manifest[name] != want:
+            raise CheckpointError(f"{folder / MANIFEST}: a checkpoint of {name} {manifest[name]!r}, not {want!r}")
     if manifest["open_run_sha256"] != expected.open_digest:
         raise CheckpointError(
             f"{folder / MANIFEST}: a checkpoint of another placement or spec of run {expected.run_id!r} "

@@ -41,7 +41,7 @@ from gradps.cuts import DECLARE_AHEAD
 from gradps.errors import one_line
 from gradps.schemes import get_scheme
 from gradps.v1 import shard_pb2
-from ps_server import checkpoint
+from ps_server import checkpoint, direct_io
 from ps_server.checkpoint import CheckpointError, Expected, Written
 from ps_server.run_state import RunState
 from ps_server.schemes import ShardRule
@@ -113,6 +113,8 @@ class RunCheckpoints:
         self._writing = False
         self._outcomes: dict[int, Outcome] = {}
         self._closed = False
+        # The memory a snapshot is copied into, reused by the next one.
+        self._buffers = direct_io.Buffers()
 
     def sequences(self) -> list[int]:
         """Sequence numbers of the complete (renamed) checkpoints, oldest first."""
@@ -158,7 +160,7 @@ class RunCheckpoints:
             self.sequence += 1
             sequence = self.sequence
         try:
-            snapshot = checkpoint.take(run, rule, self.shard_id, sequence, self.expected.open_digest)
+            snapshot = checkpoint.take(run, rule, self.shard_id, sequence, self.expected.open_digest, self._buffers)
         except BaseException:
             with self._cond:
                 self._writing = False
@@ -196,6 +198,7 @@ class RunCheckpoints:
             metrics.SHARD_CHECKPOINT_FAILURES.labels(self.request.spec.scheme).inc()
             _LOGGER.warning("%s", outcome.error)
         finally:
+            self._buffers.give_back([f.buffer for f in snapshot.files])
             with self._cond:
                 self._outcomes[int(snapshot.manifest["sequence"])] = outcome
                 self._writing = False
@@ -235,6 +238,7 @@ class RunCheckpoints:
         with self._cond:
             self._closed = True
             self._cond.wait_for(lambda: not self._writing)
+        self._buffers.clear()
         if self.folder.is_dir():
             for sequence in self.sequences():
                 checkpoint.remove_tree(self.folder / f"{checkpoint.PREFIX}{sequence:08d}")

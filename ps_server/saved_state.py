@@ -21,10 +21,10 @@ class Saved:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def put(self, tensor: torch.Tensor) -> str:
-        """Keep a copy of `tensor` (taken now: the caller holds the run's lock, and the tensor may
-        change once it is released); returns the key a field names it by."""
+        """Name `tensor` for the checkpoint (which copies it before the run's lock is released:
+        checkpoint.take); returns the key a field names it by."""
         key = f"{self.prefix}{len(self.tensors)}"
-        self.tensors[key] = tensor.detach().clone().contiguous()
+        self.tensors[key] = tensor.detach()
         return key
 
     def get(self, key: str) -> torch.Tensor:
