@@ -62,6 +62,8 @@ class StepBreakdown:
     params: int
     # Whole step: forward + backward + the exchange with the shards.
     step_s: float
+    # The mean, not the median, of the whole step: the rare steps a checkpoint slows count in it.
+    step_mean_s: float
     # Forward and backward (and the batch fetch).
     compute_s: float
     # Time the training loop is blocked after backward (the scheme's exchange).
@@ -223,6 +225,7 @@ def measure_step(
                     p.wait()
     per_worker = [{k: statistics.median(r[k] for r in records) for k in (*_FIELDS, "overlap_s")} for _, records in done]
     mean = {k: statistics.mean(w[k] for w in per_worker) for k in per_worker[0]}
+    step_mean = statistics.mean(statistics.mean(r["step_s"] for r in records) for _, records in done)
     exposed = mean["push_s"] + mean["pull_s"] + mean["average_s"] - mean["overlap_s"]
     return StepBreakdown(
         model=model,
@@ -238,6 +241,7 @@ def measure_step(
         exposed_comm_fraction=exposed / mean["step_s"] if mean["step_s"] else 0.0,
         steps=steps,
         checkpoint_every_s=checkpoint_every_s,
+        step_mean_s=step_mean,
         **mean,
         **saved,  # type: ignore[arg-type]
     )
@@ -251,6 +255,7 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
     )  # fmt: skip
     rows = [
         ("step", b.step_s),
+        ("step, mean (what checkpoints cost shows here)" if b.checkpoint_every_s else "step, mean", b.step_mean_s),
         ("  compute (forward + backward)", b.compute_s),
         ("  exchange (loop blocked after backward)", b.exchange_s),
         ("    push call", b.push_s),
