@@ -59,6 +59,16 @@ def _log(cluster: LocalCluster) -> str:
     return (cluster.log_dir / "coordinator.log").read_text()
 
 
+def _story(cluster: LocalCluster, run_id: str) -> str:
+    """Every service's log lines about `run_id`: what a failed assertion shows."""
+    return "\n".join(
+        f"{path.stem}: {line}"
+        for path in sorted(cluster.log_dir.glob("*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+        if run_id in line
+    )
+
+
 def _exported(client: Client, run_id: str) -> dict[str, torch.Tensor]:
     return client.export_state_dict(run_id)
 
@@ -240,7 +250,7 @@ def test_a_stopped_run_whose_model_is_on_its_workers_resumes(cluster, scheme, tm
     done = [m for m in status.latest if m.done]
     assert sorted(m.rank for m in done) == [0, 1] and all(m.step == steps for m in done), done
     assert len({m.weights_digest for m in done}) == 1, done  # pseudosync's replica, wagma's global average
-    assert summary["final_test_accuracy"] >= 0.9, summary
+    assert summary["final_test_accuracy"] >= 0.9, f"{summary}\n{_story(cluster, run_id)}"
     if scheme == "pseudosync":  # its checkpoints are the steps its replica was handed in at
         assert all(c.step % CHECKPOINT_EVERY == 0 for c in listed.checkpoints) and listed.checkpoints
     assert "resumed at step" in _log(cluster)
