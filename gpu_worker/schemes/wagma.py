@@ -52,6 +52,7 @@ class WagmaWorker(WorkerScheme):
             else:  # w <- (S * m + w) / (S + 1)
                 p.mul_(1.0 / (size + 1)).add_(average[name], alpha=size / (size + 1))
             p.grad = grads[name]
+        self.optimizer.updates = step  # the schedule follows the run's step: a late or resumed worker skipped some
         self.optimizer.step()
         if frontier <= step + 1:
             return step + 1
