@@ -34,6 +34,12 @@ class WagmaWorker(WorkerScheme):
         else:
             self.client.pull(self.params)
 
+    def went_back(self, step: int) -> None:
+        """The run went back to its checkpoint at `step` (a shard restarted): the consensus of the
+        deposits there. The shards' parts hold the registered model, not a trained one: wagma
+        exchanges models, never gradients."""
+        self._take_consensus(self.params)
+
     def _average(self, step: int, everyone: bool, wait: bool = False) -> tuple[dict[str, torch.Tensor], int, int]:
         """The round of `step`: this worker's group, or (`everyone`) every worker; `wait` for every
         live member's deposit (the final model only)."""
