@@ -302,4 +302,4 @@ def test_a_service_serves_metrics_on_a_free_port_and_refuses_a_taken_one(tmp_pat
         for process in (first, second):
             if process is not None and process.poll() is None:
                 process.terminate()
-                process.wait(timeout=10)
+                process.wait(timeout=60)

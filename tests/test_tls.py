@@ -431,7 +431,7 @@ def test_a_service_takes_its_tls_and_mtls_from_the_environment(cert_dir: Path, o
         assert _health(address, _client_files(cert_dir)) == SERVING
     finally:
         process.terminate()
-        process.wait(timeout=10)
+        process.wait(timeout=60)
 
 
 def test_the_transport_bench_measures_each_configuration_with_and_without_tls(tmp_path: Path):
