@@ -285,8 +285,11 @@ def wait_for_call(
 
 def serve_until_signal(server: grpc.Server) -> None:
     """Block until SIGTERM/SIGINT, then stop gracefully."""
-    stop = threading.Event()
+    # The handler only records the signal: one that takes a lock (Event.set) can deadlock when the
+    # signal lands while the main thread holds that lock, and the service never stops.
+    received: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, lambda signum, _: received.append(signum))
+    while not received:
+        time.sleep(0.2)  # a signal interrupts the sleep and runs the handler
     server.stop(grace=2).wait()
