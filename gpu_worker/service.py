@@ -134,6 +134,14 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
     return coordinator_pb2.Metrics(error=" ".join(why.split())[:2000], test_accuracy=-1.0)
 
 
+def _stop_on_signal(received: list[int], stop: threading.Event) -> None:
+    """Set `stop` once a signal is recorded. The handler only records it: setting the event
+    there takes its lock, which deadlocks when the signal lands while the main thread holds it."""
+    while not received:
+        time.sleep(0.2)
+    stop.set()
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @coordinator_option
 @device_option("Where the model trains (auto: CUDA when present).", envvar="GRADPS_DEVICE")
@@ -186,8 +194,10 @@ def main(
     serve_metrics(metrics_port, metrics_host, metrics_port_file)  # what its Trainer records
     torch.set_num_threads(threads)
     stop = threading.Event()
+    received: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: received.append(signum))
+    threading.Thread(target=_stop_on_signal, args=(received, stop), name="signals", daemon=True).start()
     try:
         serve(coordinator, torch.device(device), name, stop, transport, allow_import, option_token(token, token_file))
     except ConnectionError as e:
