@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 
@@ -13,7 +12,7 @@ import torch
 
 from gpu_worker.trainer import Trainer
 from gradps.auth.options import allow_import_option, client_tls_options, option_token, token_options, use_client_tls
-from gradps.channel import coordinator_option, metrics_options, serve_metrics
+from gradps.channel import coordinator_option, metrics_options, serve_metrics, stop_on_signal
 from gradps.datasets import ShardSampler, load_dataset
 from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
@@ -134,14 +133,6 @@ def _failure(e: Exception) -> coordinator_pb2.Metrics:
     return coordinator_pb2.Metrics(error=" ".join(why.split())[:2000], test_accuracy=-1.0)
 
 
-def _stop_on_signal(received: list[int], stop: threading.Event) -> None:
-    """Set `stop` once a signal is recorded. The handler only records it: setting the event
-    there takes its lock, which deadlocks when the signal lands while the main thread holds it."""
-    while not received:
-        time.sleep(0.2)
-    stop.set()
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @coordinator_option
 @device_option("Where the model trains (auto: CUDA when present).", envvar="GRADPS_DEVICE")
@@ -193,11 +184,7 @@ def main(
     use_client_tls(tls_cert, tls_key, tls_ca)
     serve_metrics(metrics_port, metrics_host, metrics_port_file)  # what its Trainer records
     torch.set_num_threads(threads)
-    stop = threading.Event()
-    received: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: received.append(signum))
-    threading.Thread(target=_stop_on_signal, args=(received, stop), name="signals", daemon=True).start()
+    stop = stop_on_signal()
     try:
         serve(coordinator, torch.device(device), name, stop, transport, allow_import, option_token(token, token_file))
     except ConnectionError as e:

@@ -283,13 +283,26 @@ def wait_for_call(
     return True
 
 
-def serve_until_signal(server: grpc.Server) -> None:
-    """Block until SIGTERM/SIGINT, then stop gracefully."""
-    # The handler only records the signal: one that takes a lock (Event.set) can deadlock when the
-    # signal lands while the main thread holds that lock, and the service never stops.
-    received: list[int] = []
+def stop_on_signal() -> threading.Event:
+    """An event set once the process gets SIGTERM or SIGINT (call from the main thread).
+
+    The handler only records the signal and a thread of its own sets the event: a handler that
+    set it itself takes the event's lock, and deadlocks when the signal lands while the main
+    thread holds that lock (the service then never stops)."""
+    stop, received = threading.Event(), []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: received.append(signum))
-    while not received:
-        time.sleep(0.2)  # a signal interrupts the sleep and runs the handler
+
+    def watch() -> None:
+        while not received:
+            time.sleep(0.2)
+        stop.set()
+
+    threading.Thread(target=watch, name="signals", daemon=True).start()
+    return stop
+
+
+def serve_until_signal(server: grpc.Server) -> None:
+    """Block until SIGTERM/SIGINT, then stop gracefully."""
+    stop_on_signal().wait()
     server.stop(grace=2).wait()
