@@ -65,6 +65,22 @@ def _usable_certs(folder: Path, names: Sequence[str]) -> bool:
     return set(names) <= served
 
 
+def _terminate(processes: list[subprocess.Popen], grace_s: float) -> list[int]:
+    """SIGTERM `processes`, wait up to `grace_s` for them all, SIGKILL the rest; exit codes."""
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    codes = []
+    for p in processes:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
 class LocalCluster:
     """Starts real processes (one per service) and stops them with SIGTERM."""
 
@@ -378,19 +394,15 @@ class LocalCluster:
         return p
 
     def stop(self, grace_s: float = 5.0) -> list[int]:
-        """SIGTERM every process (workers first), then SIGKILL what is left; returns exit codes."""
-        processes = [*self.workers, *self.shards, *([self.coordinator] if self.coordinator else [])]
-        for p in processes:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        codes = []
-        for p in processes:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes.append(p.wait())
+        """SIGTERM the shards, then the workers, then the coordinator, each group waited for and
+        SIGKILLed after `grace_s`; returns exit codes. The shards go first: a run takes no step
+        once a process of the cluster stops (none with only part of its workers, which a
+        checkpoint could keep). The coordinator goes last: it hears each worker leave, so a
+        stopped cluster leaves no run recorded as running with workers that are gone, which the
+        next cluster on the same state dir would take up on its own."""
+        codes = _terminate(self.shards, grace_s) + _terminate(self.workers, grace_s)
+        if self.coordinator:
+            codes += _terminate([self.coordinator], grace_s)
         for address in self._remembered:
             forget(address)
             tls.forget(address)

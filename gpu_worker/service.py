@@ -74,7 +74,8 @@ def train(
         trainer.client.close()
     except grpc.RpcError as e:
         if session.stopping:
-            _LOGGER.warning("run %s stopped", assignment.run_id)
+            why = "left: worker shutting down" if stop.is_set() else "stopped"
+            _LOGGER.warning("run %s %s", assignment.run_id, why)
             trainer.client.close()
             return
         _LOGGER.error("run %s: %s %s", assignment.run_id, e.code().name, e.details())

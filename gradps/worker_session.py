@@ -17,8 +17,9 @@ from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
-# close(): how long LeaveWorker may take; the heartbeat timeout covers a coordinator that is gone.
-_LEAVE_TIMEOUT_S = 2.0
+# close(): how long LeaveWorker may take (on a busy host the answer can take seconds); a coordinator
+# that is gone refuses at once, and its heartbeat timeout covers one that hangs.
+_LEAVE_TIMEOUT_S = 10.0
 
 
 class RunAbandoned(Exception):
@@ -51,13 +52,14 @@ class WorkerSession:
         token: str | None = None,
     ):
         """Join now, retrying for up to `join_timeout_s` while the coordinator starts; setting
-        `stop` (the service's SIGTERM) gives up at once. ConnectionError if it never answers.
+        `stop` (the service's SIGTERM) gives up at once, and later ends the current run for this
+        worker (`stopping`). ConnectionError if it never answers.
 
         `token`: the one JoinWorker takes (default: `gradps.auth.client_tokens.client_token`'s). When the
         coordinator answers with this worker's own token, every later call to it and to the
         run's shards carries that one (gradps/auth/access.py)."""
         self.coordinator = coordinator
-        self._stop_join = stop or threading.Event()
+        self._shutdown = stop or threading.Event()
         self.name = name or socket.gethostname()
         self.device = device
         join_token = token or client_token(coordinator)
@@ -100,7 +102,7 @@ class WorkerSession:
                 if not warned:  # say why nothing happens yet
                     _LOGGER.warning("coordinator %s: %s; retrying %.0f s", self.coordinator, e.code().name, timeout_s)
                     warned = True
-            if self._stop_join.wait(0.5):
+            if self._shutdown.wait(0.5):
                 raise ConnectionError(f"stopped before joining the coordinator at {self.coordinator}")
 
     def _beat(self, interval_s: float) -> None:
@@ -152,8 +154,9 @@ class WorkerSession:
 
     @property
     def stopping(self) -> bool:
-        """True once the current run was stopped: the training loop should give up."""
-        return self._stop_run.is_set()
+        """True once the current run was stopped, or the service is shutting down: the training
+        loop should give up (and not wait for a shard that does not answer)."""
+        return self._stop_run.is_set() or self._shutdown.is_set()
 
     def wait_for_assignment(self, wait_s: float = 10.0) -> Assignment | None:
         """Long-poll the coordinator; None when nothing was assigned within `wait_s`."""
