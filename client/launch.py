@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import click
 
-from client.local_cluster import LocalCluster
+from client.local_cluster import LocalCluster, terminate
 from client.report import follow, print_summary
 from client.sdk import Client, GradpsError
 from client.usage import make_dir, one_line_errors
@@ -124,14 +124,7 @@ class Scripts:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM the scripts still running, SIGKILL those left after `grace_s`."""
-        for p in self.processes:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        if not self.wait(grace_s):
-            for p in self.processes:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        terminate(self.processes, grace_s)
 
 
 class _Watch(threading.Thread):

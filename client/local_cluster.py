@@ -65,7 +65,7 @@ def _usable_certs(folder: Path, names: Sequence[str]) -> bool:
     return set(names) <= served
 
 
-def _terminate(processes: list[subprocess.Popen], grace_s: float) -> list[int]:
+def terminate(processes: list[subprocess.Popen], grace_s: float) -> list[int]:
     """SIGTERM `processes`, wait up to `grace_s` for them all, SIGKILL the rest; exit codes."""
     for p in processes:
         if p.poll() is None:
@@ -400,9 +400,9 @@ class LocalCluster:
         checkpoint could keep). The coordinator goes last: it hears each worker leave, so a
         stopped cluster leaves no run recorded as running with workers that are gone, which the
         next cluster on the same state dir would take up on its own."""
-        codes = _terminate(self.shards, grace_s) + _terminate(self.workers, grace_s)
+        codes = terminate(self.shards, grace_s) + terminate(self.workers, grace_s)
         if self.coordinator:
-            codes += _terminate([self.coordinator], grace_s)
+            codes += terminate([self.coordinator], grace_s)
         for address in self._remembered:
             forget(address)
             tls.forget(address)
