@@ -37,14 +37,28 @@ def _deposit(rule, worker, step, value, members=(0, 1), is_global=False):
     return float(out[KEY][0]), frontier
 
 
-def test_first_arrival_fixes_the_round_and_late_member_gets_the_same_result():
+def test_first_arrival_fixes_the_round_and_a_late_member_gets_it_moved_by_its_own_step():
     rule = _rule()
     _deposit(rule, 1, 0, 10.0)  # worker 1's deposit at step 0 (round with worker 0 at step 0)
     first, _ = _deposit(rule, 0, 1, 2.0)  # worker 0 arrives first at step 1: 1 is late (stale 10)
     assert first == pytest.approx(6.0)  # (2 + 10) / 2: worker 1 contributes its previous model
-    late, frontier = _deposit(rule, 1, 1, 100.0)  # worker 1 arrives late: same result, not 51
-    assert late == pytest.approx(6.0)
+    late, frontier = _deposit(rule, 1, 1, 100.0)  # worker 1 arrives late: not the plain (2 + 100) / 2
+    assert late == pytest.approx(6.0 + (100.0 - 10.0))  # the round's average moved as its model did
     assert frontier == 1
+
+
+def test_a_round_with_a_late_member_keeps_the_sum_of_the_groups_models():
+    """Both members mix the answer as a wagma worker does, w <- (S m + w) / (S + 1): the group's
+    models add up to what they did before the round, so the late member's last step is not lost."""
+    rule = _rule()
+    _deposit(rule, 1, 3, 10.0)
+    models = {0: 2.0, 1: 13.0}  # worker 1 moved from 10 to 13 since its deposit at step 3
+    mixed = {}
+    for worker in (0, 1):  # worker 0 arrives first at step 4; worker 1's step-3 model is used
+        m, _ = _deposit(rule, worker, 4, models[worker])
+        mixed[worker] = (2 * m + models[worker]) / 3
+    assert sum(mixed.values()) == pytest.approx(sum(models.values()))
+    assert mixed[0] == pytest.approx((2 * 6.0 + 2.0) / 3)  # the first arrival's own answer is the average
 
 
 def test_a_member_that_never_arrives_does_not_block():

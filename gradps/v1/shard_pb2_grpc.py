@@ -237,8 +237,10 @@ class ShardServiceServicer:
         """Worker -> shard (wagma): deposit this worker's model parts for a group round and receive the
         round's average. The first arrival fixes the average from every member's latest deposit;
         a global round waits for every live member instead (at most 30 s, then it is fixed without
-        the late ones). A deposit counts only once all of it has arrived, as a push
-        (GroupAverageRequest.part_count); one sent again replaces the first.
+        the late ones). A member whose older deposit the round used receives the average plus what
+        its model moved since (this deposit minus that one), so that mixing it keeps its last step.
+        A deposit counts only once all of it has arrived, as a push (GroupAverageRequest.part_count);
+        one sent again replaces the first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,9 +3,10 @@
 Each worker keeps its own model and deposits it for the round (step, group). The first arrival
 fixes the round's average from every live member's latest deposit at that moment, left out where
 it is more than `MAX_LAG` steps older than the round (a straggler's stale model would pull the
-up-to-date ones back; it rejoins with the round's average when it arrives); every member, early or
-late, receives that same average; nobody waits for a straggler. Only a global round (the final
-model) waits for every live member.
+up-to-date ones back; it rejoins with the round's average when it arrives); nobody waits for a
+straggler. A member whose older deposit the round used receives the average moved by how far its
+model went since (`m + w_now - w_used`): its last step is kept rather than lost from the group's
+sum. Only a global round (the final model) waits for every live member.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ class WagmaRule(ShardRule):
         super().__init__(run)
         # worker -> part -> [(step, values)], oldest first.
         self.deposits: dict[int, dict[PartKey, list[tuple[int, torch.Tensor]]]] = {}
-        # Fixed results of rounds, kept while a member may still ask for them.
+        # Fixed results of rounds, kept while a member may still ask for them, and the step of
+        # each member's deposit that a round used.
         self.rounds: dict[RoundKey, dict[PartKey, torch.Tensor]] = {}
+        self.used: dict[RoundKey, dict[int, int]] = {}
         # Highest step deposited by anyone: a late worker skips ahead to it.
         self.frontier = 0
 
@@ -61,6 +64,11 @@ class WagmaRule(ShardRule):
             for (step, members), result in self.rounds.items()
             for key, values in result.items()
         ]
+        saved.fields["used"] = [
+            [step, sorted(members), worker, used]
+            for (step, members), by_worker in self.used.items()
+            for worker, used in by_worker.items()
+        ]
         saved.fields["frontier"] = self.frontier
 
     def load(self, saved: Saved) -> None:
@@ -70,6 +78,8 @@ class WagmaRule(ShardRule):
         for step, members, name, index, tensor in saved.fields["rounds"]:
             result = self.rounds.setdefault((int(step), frozenset(int(m) for m in members)), {})
             result[part_of([name, index])] = saved.get(tensor)
+        for step, members, worker, used in saved.fields.get("used", []):
+            self.used.setdefault((int(step), frozenset(int(m) for m in members)), {})[int(worker)] = int(used)
         self.frontier = int(saved.fields["frontier"])
 
     def push(self, push: Push) -> int:
@@ -109,12 +119,25 @@ class WagmaRule(ShardRule):
             wait = wait or (lambda ready, timeout_s: self.run.cond.wait_for(ready, timeout=timeout_s))
             if not wait(everyone_deposited, _GLOBAL_WAIT_S):
                 _LOGGER.warning("run %s: global round %d fixed without every live member", self.run.run_id, step)
-        result = self.rounds.get(round_key)
-        if result is None:
-            result = self._fix_round(step, members, list(deposit))
-            self.rounds[round_key] = result
+        if round_key not in self.rounds:
+            self.rounds[round_key], self.used[round_key] = self._fix_round(step, members, list(deposit))
             self._prune()
-        return {key: result[key] for key in deposit}, self.frontier
+        return self._answer(worker_id, round_key, deposit), self.frontier
+
+    def _answer(
+        self, worker_id: int, round_key: RoundKey, deposit: dict[PartKey, torch.Tensor]
+    ) -> dict[PartKey, torch.Tensor]:
+        """The round's average for `worker_id`. Where the round used an older deposit of this
+        worker, the average moved by what the worker's model did since (`m + w_now - w_used`):
+        the worker then mixes that step in as if the round had seen it, so the group's sum of
+        models keeps every member's step (the plain average would drop up to S/(S+1) of it)."""
+        result = self.rounds[round_key]
+        used = self.used.get(round_key, {}).get(worker_id)
+        answer = {}
+        for key, now in deposit.items():
+            before = None if used is None or used == round_key[0] else self._kept(worker_id, key, used)
+            answer[key] = result[key] if before is None else result[key] + (now - before)
+        return answer
 
     def consensus(self, worker_id: int, keys: list[PartKey]) -> tuple[dict[PartKey, torch.Tensor], int]:
         """The average of every live member's latest deposit, as of the newest step (nothing is
@@ -153,19 +176,32 @@ class WagmaRule(ShardRule):
     def _deposit(self, worker: int, key: PartKey, step: int, exact: bool = False) -> torch.Tensor | None:
         """The worker's latest deposit of `key` made at or before `step` and at most MAX_LAG steps
         before it (exactly at, if `exact`)."""
+        found = self._deposit_at(worker, key, step, exact)
+        return None if found is None else found[1]
+
+    def _deposit_at(self, worker: int, key: PartKey, step: int, exact: bool = False) -> tuple[int, torch.Tensor] | None:
+        """As `_deposit`, with the step the deposit was made at."""
         for s, values in reversed(self.deposits.get(worker, {}).get(key, [])):
             if s <= step:
-                return values if s == step or (not exact and step - s <= MAX_LAG) else None
+                return (s, values) if s == step or (not exact and step - s <= MAX_LAG) else None
         return None
 
-    def _fix_round(self, step: int, members: frozenset[int], keys: list[PartKey]) -> dict[PartKey, torch.Tensor]:
-        """The average of each live member's latest deposit at or before `step`; members that
-        have not deposited yet, or only more than MAX_LAG steps before, are left out."""
-        result = {}
+    def _kept(self, worker: int, key: PartKey, step: int) -> torch.Tensor | None:
+        """The worker's deposit of `key` made exactly at `step`, while it is kept."""
+        return next((values for s, values in self.deposits.get(worker, {}).get(key, []) if s == step), None)
+
+    def _fix_round(
+        self, step: int, members: frozenset[int], keys: list[PartKey]
+    ) -> tuple[dict[PartKey, torch.Tensor], dict[int, int]]:
+        """The average of each live member's latest deposit at or before `step`, and the step of
+        the deposit used for each member; members that have not deposited yet, or only more than
+        MAX_LAG steps before, are left out."""
+        result, used = {}, {}
         for key in keys:
-            deposits = (self._deposit(m, key, step) for m in sorted(members & self.run.live_workers))
-            result[key] = _mean([v for v in deposits if v is not None])
-        return result
+            found = {m: self._deposit_at(m, key, step) for m in sorted(members & self.run.live_workers)}
+            result[key] = _mean([d[1] for d in found.values() if d is not None])
+            used.update({m: d[0] for m, d in found.items() if d is not None})
+        return result, used
 
     def _prune(self) -> None:
         """Drop rounds older than every live worker's newest deposit: nobody will ask again."""
@@ -173,6 +209,7 @@ class WagmaRule(ShardRule):
         oldest_needed = min(newest, default=0)
         for key in [k for k in self.rounds if k[0] < oldest_needed]:
             del self.rounds[key]
+            self.used.pop(key, None)
 
 
 def _mean(models: list[torch.Tensor]) -> torch.Tensor:
