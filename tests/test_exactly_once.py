@@ -310,8 +310,9 @@ def test_cut_deposits_are_not_stored_and_their_retries_are(shards):
     parts = _one_shard_run(shards, "wagma-cut", "wagma", [0, 1])
 
     def model(worker: int, step: int) -> list[tensor_pb2.TensorPart]:
-        # Whole numbers, distinct per worker, step and part: every average is exact.
-        return [_part(p, np.full(p.count, 1000 * worker + 10 * step + j)) for j, p in enumerate(parts)]
+        # Whole numbers, distinct per worker, step and part, moving at a different pace per worker
+        # (so the two possible rounds below differ): every average is exact.
+        return [_part(p, np.full(p.count, 1000 * worker + 10 * (worker + 1) * step + j)) for j, p in enumerate(parts)]
 
     def mean(*models: list[tensor_pb2.TensorPart] | None) -> dict[tuple[str, int], bytes]:
         """The round's average of the members' deposits (None: a member that has not deposited)."""
@@ -341,9 +342,16 @@ def test_cut_deposits_are_not_stored_and_their_retries_are(shards):
             if not nothing:
                 possible.append(mean(model(0, step), model(1, step - 1) if step > 1 else None))
             assert average in possible, f"{how} after {sent} of {len(parts)} parts stored some"
-            # Worker 0 makes its deposit again: the fixed round, and stored for the next one.
+            # Worker 0 makes its deposit again: the fixed round, and stored for the next one. Where the
+            # round used its previous deposit, the answer keeps the step it made since (+10 per value).
+            answer = average
+            if average == possible[0]:
+                answer = {
+                    key: (np.frombuffer(values, np.float32) + 10).astype(np.float32).tobytes()
+                    for key, values in average.items()
+                }
             for _ in range(2):
-                assert _average(stub, _deposit_requests("wagma-cut", 0, step, model(0, step))) == average
+                assert _average(stub, _deposit_requests("wagma-cut", 0, step, model(0, step))) == answer
 
 
 # --- 4. sync: cut and retried pushes train exactly as uncut ones -----------------------------------------
