@@ -61,6 +61,20 @@ def test_a_round_with_a_late_member_keeps_the_sum_of_the_groups_models():
     assert mixed[0] == pytest.approx((2 * 6.0 + 2.0) / 3)  # the first arrival's own answer is the average
 
 
+def test_a_straggler_left_out_of_its_rounds_hands_its_step_to_the_next_round_once():
+    """A member that comes to a round fixed without it (its models are always too old) adds its
+    last local step, its deposit less the model it trained from, to the next round fixed."""
+    rule = _rule()
+    _deposit(rule, 1, 0, 10.0)  # worker 1 alone at step 0: it trains on from 10
+    for step in (1, 2, 3):  # worker 0 runs ahead; worker 1's step-0 model is used at step 1 only
+        _deposit(rule, 0, step, 0.0)
+    for _ in range(2):  # worker 1 comes to step 2 having moved from 10 to 13; a retry carries nothing more
+        late, frontier = _deposit(rule, 1, 2, 13.0)
+        assert late == pytest.approx(0.0) and frontier == 3  # round 2 was worker 0's alone
+    assert _deposit(rule, 0, 4, 0.0)[0] == pytest.approx(3.0)  # worker 1's step, in the next round
+    assert _deposit(rule, 0, 5, 0.0)[0] == pytest.approx(0.0)  # and only there
+
+
 def test_a_member_that_never_arrives_does_not_block():
     rule = _rule()
     done = threading.Event()

@@ -6,7 +6,12 @@ it is more than `MAX_LAG` steps older than the round (a straggler's stale model 
 up-to-date ones back; it rejoins with the round's average when it arrives); nobody waits for a
 straggler. A member whose older deposit the round used receives the average moved by how far its
 model went since (`m + w_now - w_used`): its last step is kept rather than lost from the group's
-sum. Only a global round (the final model) waits for every live member.
+sum. A member that comes to a round already fixed without any deposit of its own (a straggler:
+its models are always older than its partners' rounds) hands in its last local step instead: the
+shard knows the model it trained from (the mix of its last deposit and answer, by the workers'
+rule), and the difference is added to the next round fixed, as a stale gradient is applied under
+asgd; its data's steps reach the group instead of being lost. Only the final global round waits
+for every live member.
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ class WagmaRule(ShardRule):
         # each member's deposit that a round used.
         self.rounds: dict[RoundKey, dict[PartKey, torch.Tensor]] = {}
         self.used: dict[RoundKey, dict[int, int]] = {}
+        # Per worker, the model it trains from after its last answer (its next deposit less its
+        # local step), the step of the last deposit whose step was carried, and the late steps
+        # waiting for the next round fixed.
+        self.base: dict[int, dict[PartKey, torch.Tensor]] = {}
+        self.carried: dict[int, int] = {}
+        self.pending: dict[PartKey, torch.Tensor] = {}
         # Highest step deposited by anyone: a late worker skips ahead to it.
         self.frontier = 0
 
@@ -69,6 +80,11 @@ class WagmaRule(ShardRule):
             for (step, members), by_worker in self.used.items()
             for worker, used in by_worker.items()
         ]
+        saved.fields["base"] = [
+            [worker, *key, saved.put(values)] for worker, parts in self.base.items() for key, values in parts.items()
+        ]
+        saved.fields["carried"] = [[worker, step] for worker, step in self.carried.items()]
+        saved.fields["pending"] = [[*key, saved.put(values)] for key, values in self.pending.items()]
         saved.fields["frontier"] = self.frontier
 
     def load(self, saved: Saved) -> None:
@@ -80,6 +96,12 @@ class WagmaRule(ShardRule):
             result[part_of([name, index])] = saved.get(tensor)
         for step, members, worker, used in saved.fields.get("used", []):
             self.used.setdefault((int(step), frozenset(int(m) for m in members)), {})[int(worker)] = int(used)
+        for worker, name, index, tensor in saved.fields.get("base", []):
+            self.base.setdefault(int(worker), {})[part_of([name, index])] = saved.get(tensor)
+        self.carried = {int(worker): int(step) for worker, step in saved.fields.get("carried", [])}
+        self.pending = {
+            part_of([name, index]): saved.get(tensor) for name, index, tensor in saved.fields.get("pending", [])
+        }
         self.frontier = int(saved.fields["frontier"])
 
     def push(self, push: Push) -> int:
@@ -96,8 +118,12 @@ class WagmaRule(ShardRule):
     ) -> tuple[dict[PartKey, torch.Tensor], int]:
         if worker_id not in self.run.live_workers:
             raise NotNow(f"worker {worker_id} is not a live member of the run")
-        if (step, members) not in self.rounds:  # a fixed round answers a late member whatever its step
+        round_key = (step, members)
+        fixed_before = round_key in self.rounds
+        if not fixed_before:  # a fixed round answers a late member whatever its step
             self._check_kept(worker_id, step, deposit)
+        elif worker_id not in self.used.get(round_key, {}):
+            self._carry(worker_id, step, deposit)
         mine = self.deposits.setdefault(worker_id, {})
         for key, values in deposit.items():
             history = [d for d in mine.get(key, []) if d[0] != step]
@@ -106,7 +132,6 @@ class WagmaRule(ShardRule):
             mine[key] = history[-_KEEP_DEPOSITS:]
         self.frontier = max(self.frontier, step)
         self.run.cond.notify_all()
-        round_key = (step, members)
         if is_global and round_key not in self.rounds:
 
             def everyone_deposited() -> bool:
@@ -122,7 +147,36 @@ class WagmaRule(ShardRule):
         if round_key not in self.rounds:
             self.rounds[round_key], self.used[round_key] = self._fix_round(step, members, list(deposit))
             self._prune()
-        return self._answer(worker_id, round_key, deposit), self.frontier
+        answer = self._answer(worker_id, round_key, deposit)
+        self._set_base(worker_id, deposit, answer, len(members), is_global)
+        return answer, self.frontier
+
+    def _carry(self, worker_id: int, step: int, deposit: dict[PartKey, torch.Tensor]) -> None:
+        """Keep the local step a late member's deposit holds (the deposit less the model it trained
+        from) for the next round fixed; once per deposit, however often it is retried."""
+        base = self.base.get(worker_id)
+        if base is None or self.carried.get(worker_id) == step:
+            return
+        for key, values in deposit.items():
+            if key in base:
+                change = values - base[key]
+                self.pending[key] = change if key not in self.pending else self.pending[key].add_(change)
+        self.carried[worker_id] = step
+
+    def _set_base(
+        self,
+        worker_id: int,
+        deposit: dict[PartKey, torch.Tensor],
+        answer: dict[PartKey, torch.Tensor],
+        size: int,
+        is_global: bool,
+    ) -> None:
+        """The model the worker trains from next, by the workers' rule (gpu_worker/schemes/wagma.py):
+        the answer after a global round, else `(S m + w) / (S + 1)` of the answer and its deposit."""
+        self.base[worker_id] = {
+            key: answer[key].clone() if is_global else (answer[key] * size + deposit[key]) / (size + 1)
+            for key in answer
+        }
 
     def _answer(
         self, worker_id: int, round_key: RoundKey, deposit: dict[PartKey, torch.Tensor]
@@ -199,7 +253,10 @@ class WagmaRule(ShardRule):
         result, used = {}, {}
         for key in keys:
             found = {m: self._deposit_at(m, key, step) for m in sorted(members & self.run.live_workers)}
-            result[key] = _mean([d[1] for d in found.values() if d is not None])
+            averaged = [d[1] for d in found.values() if d is not None]
+            result[key] = _mean(averaged)
+            if key in self.pending:  # late members' steps, shared out as each member's own step is
+                result[key].add_(self.pending.pop(key), alpha=1.0 / len(averaged))
             used.update({m: d[0] for m, d in found.items() if d is not None})
         return result, used
 
