@@ -145,7 +145,7 @@ class WagmaRule(ShardRule):
             if not wait(everyone_deposited, _GLOBAL_WAIT_S):
                 _LOGGER.warning("run %s: global round %d fixed without every live member", self.run.run_id, step)
         if round_key not in self.rounds:
-            self.rounds[round_key], self.used[round_key] = self._fix_round(step, members, list(deposit))
+            self.rounds[round_key], self.used[round_key] = self._fix_round(step, members, list(deposit), is_global)
             self._prune()
         answer = self._answer(worker_id, round_key, deposit)
         self._set_base(worker_id, deposit, answer, len(members), is_global)
@@ -245,18 +245,23 @@ class WagmaRule(ShardRule):
         return next((values for s, values in self.deposits.get(worker, {}).get(key, []) if s == step), None)
 
     def _fix_round(
-        self, step: int, members: frozenset[int], keys: list[PartKey]
+        self, step: int, members: frozenset[int], keys: list[PartKey], is_global: bool
     ) -> tuple[dict[PartKey, torch.Tensor], dict[int, int]]:
-        """The average of each live member's latest deposit at or before `step`, and the step of
-        the deposit used for each member; members that have not deposited yet, or only more than
-        MAX_LAG steps before, are left out."""
+        """The average of each live member's latest deposit at or before `step` (with the late
+        steps pending, but for the final global round), and the step of the deposit used for each
+        member; members that have not deposited yet, or only more than MAX_LAG steps before, are
+        left out."""
         result, used = {}, {}
         for key in keys:
             found = {m: self._deposit_at(m, key, step) for m in sorted(members & self.run.live_workers)}
             averaged = [d[1] for d in found.values() if d is not None]
             result[key] = _mean(averaged)
-            if key in self.pending:  # late members' steps, shared out as each member's own step is
-                result[key].add_(self.pending.pop(key), alpha=1.0 / len(averaged))
+            pending = self.pending.pop(key, None)
+            # Late members' steps, shared out as each member's own step is; not into the final
+            # global round, which holds every member's last model already and must equal the
+            # consensus that evaluates it.
+            if pending is not None and not is_global:
+                result[key].add_(pending, alpha=1.0 / len(averaged))
             used.update({m: d[0] for m, d in found.items() if d is not None})
         return result, used
 
