@@ -80,10 +80,7 @@ class WagmaRule(ShardRule):
             for (step, members), by_worker in self.used.items()
             for worker, used in by_worker.items()
         ]
-        saved.fields["base"] = [
-            [worker, *key, saved.put(values)] for worker, parts in self.base.items() for key, values in parts.items()
-        ]
-        saved.fields["carried"] = [[worker, step] for worker, step in self.carried.items()]
+        # Not the workers' bases: after a restore every worker trains from the consensus instead.
         saved.fields["pending"] = [[*key, saved.put(values)] for key, values in self.pending.items()]
         saved.fields["frontier"] = self.frontier
 
@@ -96,9 +93,6 @@ class WagmaRule(ShardRule):
             result[part_of([name, index])] = saved.get(tensor)
         for step, members, worker, used in saved.fields.get("used", []):
             self.used.setdefault((int(step), frozenset(int(m) for m in members)), {})[int(worker)] = int(used)
-        for worker, name, index, tensor in saved.fields.get("base", []):
-            self.base.setdefault(int(worker), {})[part_of([name, index])] = saved.get(tensor)
-        self.carried = {int(worker): int(step) for worker, step in saved.fields.get("carried", [])}
         self.pending = {
             part_of([name, index]): saved.get(tensor) for name, index, tensor in saved.fields.get("pending", [])
         }
