@@ -75,6 +75,28 @@ def test_a_straggler_left_out_of_its_rounds_hands_its_step_to_the_next_round_onc
     assert _deposit(rule, 0, 5, 0.0)[0] == pytest.approx(0.0)  # and only there
 
 
+def test_the_final_global_round_is_the_plain_average_that_the_consensus_evaluates():
+    rule = _rule(workers=(0, 1))
+    _deposit(rule, 1, 0, 10.0)
+    for step in (1, 2, 3):
+        _deposit(rule, 0, step, 0.0)
+    _deposit(rule, 1, 2, 13.0)  # a late step is pending
+    results = {}
+
+    def arrive(worker, value):
+        results[worker] = _deposit(rule, worker, 10, value, is_global=True)[0]
+
+    threads = [threading.Thread(target=arrive, args=(w, v)) for w, v in ((0, 4.0), (1, 20.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    with rule.run.cond:
+        consensus = rule.consensus(0, [KEY])[0][KEY]
+    assert results == {0: pytest.approx(12.0), 1: pytest.approx(12.0)}  # (4 + 20) / 2, nothing added
+    assert float(consensus[0]) == pytest.approx(12.0)
+
+
 def test_a_member_that_never_arrives_does_not_block():
     rule = _rule()
     done = threading.Event()
