@@ -306,6 +306,15 @@ def _average(stub: shard_pb2_grpc.ShardServiceStub, requests: list) -> dict[tupl
     return {(p.name, p.index): bytes(p.payload) for r in stub.GroupAverage(iter(requests), timeout=10) for p in r.parts}
 
 
+def _moved(values: dict[tuple[str, int], bytes], by: float) -> dict[tuple[str, int], bytes]:
+    """Every float32 value of `values` plus `by`."""
+    return {key: (np.frombuffer(v, np.float32) + by).astype(np.float32).tobytes() for key, v in values.items()}
+
+
+def _frozen(values: dict[tuple[str, int], bytes]) -> frozenset:
+    return frozenset(values.items())
+
+
 def test_cut_deposits_are_not_stored_and_their_retries_are(shards):
     parts = _one_shard_run(shards, "wagma-cut", "wagma", [0, 1])
 
@@ -335,23 +344,21 @@ def test_cut_deposits_are_not_stored_and_their_retries_are(shards):
             step += 1
             _cut(_starter(stub, "GroupAverage"), _deposit_requests("wagma-cut", 0, step, model(0, step)), sent, how)
             # Worker 1 then comes first to the round: worker 0's latest deposit is its last whole
-            # one. (Where a cancel may cross the check, the cut deposit may instead have been stored
-            # whole and fixed the round with worker 1's previous model.)
-            average = _average(stub, _deposit_requests("wagma-cut", 1, step, model(1, step)))
-            possible = [mean(model(0, step - 1), model(1, step))]
+            # one, and worker 0's retries get the round moved by the step it made since (+10 per
+            # value). (Where a cancel may cross the check, the cut deposit may instead have been
+            # stored whole and fixed the round with worker 1's previous model: then worker 1 gets
+            # it moved by its own step since, +20, and worker 0's retries get it as it is.)
+            by_worker_1 = mean(model(0, step - 1), model(1, step))
+            answers = {_frozen(by_worker_1): _moved(by_worker_1, 10)}
             if not nothing:
-                possible.append(mean(model(0, step), model(1, step - 1) if step > 1 else None))
-            assert average in possible, f"{how} after {sent} of {len(parts)} parts stored some"
-            # Worker 0 makes its deposit again: the fixed round, and stored for the next one. Where the
-            # round used its previous deposit, the answer keeps the step it made since (+10 per value).
-            answer = average
-            if average == possible[0]:
-                answer = {
-                    key: (np.frombuffer(values, np.float32) + 10).astype(np.float32).tobytes()
-                    for key, values in average.items()
-                }
+                by_cut = mean(model(0, step), model(1, step - 1) if step > 1 else None)
+                answers[_frozen(_moved(by_cut, 20) if step > 1 else by_cut)] = by_cut
+            average = _average(stub, _deposit_requests("wagma-cut", 1, step, model(1, step)))
+            assert _frozen(average) in answers, f"{how} after {sent} of {len(parts)} parts stored some"
+            # Worker 0 makes its deposit again: the fixed round, and stored for the next one.
             for _ in range(2):
-                assert _average(stub, _deposit_requests("wagma-cut", 0, step, model(0, step))) == answer
+                again = _average(stub, _deposit_requests("wagma-cut", 0, step, model(0, step)))
+                assert again == answers[_frozen(average)]
 
 
 # --- 4. sync: cut and retried pushes train exactly as uncut ones -----------------------------------------
