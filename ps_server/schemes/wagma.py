@@ -17,6 +17,7 @@ for every live member.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,24 @@ _LOGGER = logging.getLogger("gradps.shard")
 RoundKey = tuple[int, frozenset[int]]
 
 
+@dataclass(frozen=True)
+class _Answered:
+    """A worker's last deposit and the answer it got (both fixed tensors, held, not copied): what
+    it trains from next is derived from them only when a late deposit needs it."""
+
+    deposit: dict[PartKey, torch.Tensor]
+    answer: dict[PartKey, torch.Tensor]
+    size: int
+    is_global: bool
+
+    def trained_from(self, key: PartKey) -> torch.Tensor:
+        """By the workers' rule (gpu_worker/schemes/wagma.py): the answer after a global round,
+        else `(S m + w) / (S + 1)` of the answer and the deposit."""
+        if self.is_global:
+            return self.answer[key]
+        return torch.add(self.deposit[key], self.answer[key], alpha=self.size).div_(self.size + 1)
+
+
 class WagmaRule(ShardRule):
     def __init__(self, run: RunState) -> None:
         super().__init__(run)
@@ -50,10 +69,10 @@ class WagmaRule(ShardRule):
         # each member's deposit that a round used.
         self.rounds: dict[RoundKey, dict[PartKey, torch.Tensor]] = {}
         self.used: dict[RoundKey, dict[int, int]] = {}
-        # Per worker, the model it trains from after its last answer (its next deposit less its
-        # local step), the step of the last deposit whose step was carried, and the late steps
-        # waiting for the next round fixed.
-        self.base: dict[int, dict[PartKey, torch.Tensor]] = {}
+        # Per worker, its last deposit and answer (its next deposit less its local step is the
+        # model they make), the step of the last deposit whose step was carried, and the late
+        # steps waiting for the next round fixed.
+        self.answered: dict[int, _Answered] = {}
         self.carried: dict[int, int] = {}
         self.pending: dict[PartKey, torch.Tensor] = {}
         # Highest step deposited by anyone: a late worker skips ahead to it.
@@ -80,7 +99,7 @@ class WagmaRule(ShardRule):
             for (step, members), by_worker in self.used.items()
             for worker, used in by_worker.items()
         ]
-        # Not the workers' bases: after a restore every worker trains from the consensus instead.
+        # Not what each worker was answered: after a restore every worker trains from the consensus instead.
         saved.fields["pending"] = [[*key, saved.put(values)] for key, values in self.pending.items()]
         saved.fields["frontier"] = self.frontier
 
@@ -113,8 +132,7 @@ class WagmaRule(ShardRule):
         if worker_id not in self.run.live_workers:
             raise NotNow(f"worker {worker_id} is not a live member of the run")
         round_key = (step, members)
-        fixed_before = round_key in self.rounds
-        if not fixed_before:  # a fixed round answers a late member whatever its step
+        if round_key not in self.rounds:  # a fixed round answers a late member whatever its step
             self._check_kept(worker_id, step, deposit)
         elif worker_id not in self.used.get(round_key, {}):
             self._carry(worker_id, step, deposit)
@@ -142,35 +160,20 @@ class WagmaRule(ShardRule):
             self.rounds[round_key], self.used[round_key] = self._fix_round(step, members, list(deposit), is_global)
             self._prune()
         answer = self._answer(worker_id, round_key, deposit)
-        self._set_base(worker_id, deposit, answer, len(members), is_global)
+        self.answered[worker_id] = _Answered(deposit, answer, len(members), is_global)
         return answer, self.frontier
 
     def _carry(self, worker_id: int, step: int, deposit: dict[PartKey, torch.Tensor]) -> None:
         """Keep the local step a late member's deposit holds (the deposit less the model it trained
         from) for the next round fixed; once per deposit, however often it is retried."""
-        base = self.base.get(worker_id)
-        if base is None or self.carried.get(worker_id) == step:
+        answered = self.answered.get(worker_id)
+        if answered is None or self.carried.get(worker_id) == step:
             return
         for key, values in deposit.items():
-            if key in base:
-                change = values - base[key]
+            if key in answered.answer:
+                change = values - answered.trained_from(key)
                 self.pending[key] = change if key not in self.pending else self.pending[key].add_(change)
         self.carried[worker_id] = step
-
-    def _set_base(
-        self,
-        worker_id: int,
-        deposit: dict[PartKey, torch.Tensor],
-        answer: dict[PartKey, torch.Tensor],
-        size: int,
-        is_global: bool,
-    ) -> None:
-        """The model the worker trains from next, by the workers' rule (gpu_worker/schemes/wagma.py):
-        the answer after a global round, else `(S m + w) / (S + 1)` of the answer and its deposit."""
-        self.base[worker_id] = {
-            key: answer[key].clone() if is_global else (answer[key] * size + deposit[key]) / (size + 1)
-            for key in answer
-        }
 
     def _answer(
         self, worker_id: int, round_key: RoundKey, deposit: dict[PartKey, torch.Tensor]
