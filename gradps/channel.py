@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 
 import click
 import grpc
@@ -23,6 +22,7 @@ from gradps.auth.tls import TlsFiles, channel_credentials, client_tls, server_cr
 from gradps.auth.tokens import ClusterSecret
 from gradps.errors import StatusInterceptor
 from gradps.metrics import ServerMetricsInterceptor, serving_metrics, start_endpoint
+from gradps.serving import Server
 
 # Parts are at most the run's part size (default 4 MiB, capped at MAX_PART_BYTES), plus a little
 # framing; the limit is explicit so that a misconfigured run fails with RESOURCE_EXHAUSTED rather
@@ -109,8 +109,9 @@ def make_server(
     max_workers: int = 32,
     secret: ClusterSecret | None = None,
     max_calls_per_caller: int = DEFAULT_MAX_CALLS_PER_CALLER,
-) -> grpc.Server:
-    """A threaded gRPC server with gradps's message limits, whose handlers refuse a request by
+) -> Server:
+    """A gRPC server (gradps.serving: its waiting calls hold no thread, its handlers run on
+    `max_workers` threads) with gradps's message limits, whose handlers refuse a request by
     raising a `gradps.errors.GradpsError` (StatusInterceptor); health is added by `add_health`.
     In a process that serves metrics (`serve_metrics` first), every call is counted for
     Prometheus (gradps.metrics), outermost so that its code is the one the client sees. With
@@ -120,15 +121,14 @@ def make_server(
     `max_workers` threads (gradps.auth.limits, inside the token check): one caller never holds
     every thread."""
     tune_allocator()
-    executor = futures.ThreadPoolExecutor(max_workers=max_workers)
     auth = (AuthInterceptor(secret),) if secret is not None else ()
     counted = (ServerMetricsInterceptor(),) if serving_metrics() else ()
     limit = CallLimitInterceptor(min(max_calls_per_caller, max(1, max_workers // 2)))
     interceptors = (*counted, *auth, limit, StatusInterceptor())
-    return grpc.server(executor, options=_OPTIONS, interceptors=interceptors)
+    return Server(max_workers, interceptors, _OPTIONS)
 
 
-def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
+def add_health(server: Server, service_names: list[str]) -> health.HealthServicer:
     """Serve grpc.health.v1 and mark the server and `service_names` SERVING."""
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -137,7 +137,7 @@ def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthSe
     return servicer
 
 
-def bind(server: grpc.Server, port: int, host: str = DEFAULT_BIND, tls: TlsFiles | None = None) -> int:
+def bind(server: Server, port: int, host: str = DEFAULT_BIND, tls: TlsFiles | None = None) -> int:
     """Bind `host:port` (0 picks a free port) and return the bound port; OSError if it cannot.
     With `tls`, the port serves TLS only, its certificate read again when its files change
     (gradps.auth.tls.server_credentials; TlsError when they cannot be used)."""
@@ -302,7 +302,7 @@ def stop_on_signal() -> threading.Event:
     return stop
 
 
-def serve_until_signal(server: grpc.Server) -> None:
+def serve_until_signal(server: Server) -> None:
     """Block until SIGTERM/SIGINT, then stop gracefully."""
     stop_on_signal().wait()
     server.stop(grace=2).wait()
