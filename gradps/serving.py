@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -33,6 +34,8 @@ _BUSY_SLICE_S = 0.002
 # Answered on the event loop: quick, and a probe must be answered while every pool thread works.
 _INLINE = frozenset({"/grpc.health.v1.Health/Check"})
 _DONE = object()
+# Answers a streaming handler may have made and not yet had sent.
+_HELD = 2
 
 
 class Park:
@@ -216,6 +219,54 @@ def _look(park: Park) -> bool | None:
         park.cond.release()
 
 
+class _Handoff:
+    """Answers going from a handler's pool thread to the event loop that sends them, at most
+    `_HELD` at a time: a handler runs ahead of the network by no more than that."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sync: SyncContext) -> None:
+        self._loop, self._sync = loop, sync
+        self._answers: queue.Queue[Any] = queue.Queue(maxsize=_HELD)
+        self._ready = asyncio.Event()
+        self.outcome: Any = None
+
+    def run(self, answers: Iterator[Any]) -> Any:
+        """On the pool: `answers` to its next park (the Park), its end (_DONE), or until the
+        call ended with an answer still to hand over (None)."""
+        while True:
+            answer = next(answers, _DONE)
+            if answer is _DONE or isinstance(answer, Park):
+                return answer
+            while True:
+                try:
+                    self._answers.put(answer, timeout=_PARK_SLICE_S)
+                    break
+                except queue.Full:
+                    if not self._sync.is_active():
+                        return None
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def taken(self, segment: asyncio.Future[Any]) -> list[Any]:
+        """The answers handed over so far, once there are some or `segment` ended."""
+        while True:
+            self._ready.clear()  # before the look: an answer handed over after it sets it again
+            answers = self.drain()
+            if answers or segment.done():
+                return answers
+            ready = asyncio.ensure_future(self._ready.wait())
+            try:
+                await asyncio.wait([segment, ready], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+
+    def drain(self) -> list[Any]:
+        answers = []
+        while True:
+            try:
+                answers.append(self._answers.get_nowait())
+            except queue.Empty:
+                return answers
+
+
 class _Call:
     """One call of a plain (or generator) handler, driven from the event loop."""
 
@@ -226,6 +277,7 @@ class _Call:
         self.sync = SyncContext(context)
         # One contextvars.Context for the whole call, as the threaded server gives each call.
         self.vars = contextvars.copy_context()
+        self.segment: asyncio.Future[Any] | None = None
 
     def step(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         return self.loop.run_in_executor(self.pool, self.vars.run, fn, *args)
@@ -243,25 +295,26 @@ class _Call:
             raise
 
     async def stream(self, behaviour: Callable[..., Iterator[Any]], request: Any) -> AsyncIterator[Any]:
+        """The answers of a generator handler. It runs on one pool thread from park to park (a
+        handler may hold a lock between two answers, never across a park), handing each answer
+        over to be sent; at a park it gives its thread back until woken."""
         try:
             answers = self.vars.run(behaviour, request, self.sync)
         except _Aborted as e:
             await self.ending(e)
             return
-        pending: asyncio.Future[Any] | None = None
+        handoff = _Handoff(self.loop, self.sync)
         finished = False
         try:
             while True:
-                pending = self.step(next, answers, _DONE)
-                answer = await pending
-                pending = None
-                if answer is _DONE:
+                async for answer in self._segment(handoff, answers):
+                    yield answer
+                if handoff.outcome is _DONE:
                     finished = True
                     return
-                if isinstance(answer, Park):
-                    await _wait_parked(answer, self.context)
-                else:
-                    yield answer
+                if not isinstance(handoff.outcome, Park):  # the call ended with an answer unsent
+                    return
+                await _wait_parked(handoff.outcome, self.context)
         except _Aborted as e:
             finished = True
             await self.ending(e)
@@ -270,19 +323,30 @@ class _Call:
             raise
         finally:
             if not finished:  # cancelled, or the client went away: the handler's clean-up runs now
-                self.sync.ended = True
-                if pending is not None:
-                    await asyncio.wait([pending])
-                close = getattr(answers, "close", None)
-                if close is not None:
-                    await self.step(close)
+                await self._close(handoff, answers)
+
+    async def _segment(self, handoff: _Handoff, answers: Iterator[Any]) -> AsyncIterator[Any]:
+        """One run of the handler on the pool, to its next park or its end: its answers as they
+        come, then its outcome in `handoff.outcome`."""
+        self.segment = self.step(handoff.run, answers)
+        while not self.segment.done():
+            for answer in await handoff.taken(self.segment):
+                yield answer
+        for answer in handoff.drain():
+            yield answer
+        handoff.outcome = self.segment.result()
+
+    async def _close(self, handoff: _Handoff, answers: Iterator[Any]) -> None:
+        self.sync.ended = True
+        if self.segment is not None:
+            await asyncio.wait([self.segment])  # the thread sees the call ended, and stops
+        if (close := getattr(answers, "close", None)) is not None:
+            await self.step(close)
 
     async def last(self, behaviour: Callable[..., Iterator[Any]], request: Any) -> Any:
         """A unary method written as a generator: its one answer, after its parks."""
-        answer = None
-        async for answer in self.stream(behaviour, request):
-            pass
-        return answer
+        answers = [answer async for answer in self.stream(behaviour, request)]
+        return answers[-1] if answers else None
 
 
 def _bridged(handler: grpc.RpcMethodHandler, pool: futures.Executor, unary_generator: bool) -> grpc.RpcMethodHandler:

@@ -53,6 +53,7 @@ from gradps.logs import configure_logging, log_options
 from gradps.placement import place
 from gradps.run_spec import MEMBERSHIP_CHANGES_PER_WORKER, validate, with_defaults
 from gradps.schemes import get_scheme
+from gradps.serving import Park, ParkCondition
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
 from ps_server.coordinator_limits import (
@@ -91,6 +92,8 @@ _DEFAULT_ASSIGNMENT_WAIT_S = 10.0
 _MAX_ASSIGNMENT_WAIT_S = 60.0
 # ... which wakes this often to notice a caller that went away (cancelled, or past its deadline).
 _WAIT_SLICE_S = 0.5
+# An open WatchRun stream looks for news at least this often (a notify wakes it sooner).
+_WATCH_SLICE_S = 1.0
 # Worker ids are reserved in the store this many at a time, so that a restarted coordinator never
 # hands out an id that a worker of the previous one still heartbeats with (it is told to rejoin).
 _WORKER_ID_BLOCK = 1024
@@ -201,7 +204,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.shard_return_timeout_s = shard_return_timeout_s
         self.keep_runs = keep_runs
-        self._cond = threading.Condition()
+        self._cond = ParkCondition()
         # By address, in order of index (a shard that comes back keeps its place).
         self._shards: dict[str, ShardRecord] = {}
         self._next_shard_index = 0
@@ -379,7 +382,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
         while context.is_active():
             with self._cond:
-                self._cond.wait_for(news, timeout=1.0)
+                waiting = not news()
+            if waiting:  # an open stream holds no thread between its events
+                yield Park(self._cond, news, _WATCH_SLICE_S)
+            with self._cond:
                 new = record.events[sent:]
                 finished = record.ended and sent + len(new) == len(record.events)
             yield from new
@@ -583,34 +589,50 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def GetAssignment(
         self, request: cpb.GetAssignmentRequest, context: grpc.ServicerContext
-    ) -> cpb.GetAssignmentResponse:
+    ) -> Iterator[cpb.GetAssignmentResponse | Park]:
+        # A generator: the long poll parks (gradps.serving), holding no thread, and yields its
+        # answer, outside the lock (the generator may go on on another thread).
         wait_s = min(request.wait_ms / 1000, _MAX_ASSIGNMENT_WAIT_S) if request.wait_ms else _DEFAULT_ASSIGNMENT_WAIT_S
+        end = time.monotonic() + wait_s
+
+        def assigned() -> bool:
+            w = self._workers.get(request.worker_id)
+            return w is None or bool(w.run_id)
+
         with self._cond:
             if request.worker_id in self._dead:  # its heartbeat tells it to join again
-                return cpb.GetAssignmentResponse()
-            if request.worker_id not in self._workers:
+                waiting = None
+            elif request.worker_id not in self._workers:
                 raise NotFound(f"unknown worker {request.worker_id}; join first")
-            if self._workers[request.worker_id].restored:  # it gave up its run while we were down
-                self._leave_restored_run(self._workers[request.worker_id])
+            else:
+                if self._workers[request.worker_id].restored:  # it gave up its run while we were down
+                    self._leave_restored_run(self._workers[request.worker_id])
+                waiting = not assigned()
+        if waiting is None:
+            yield cpb.GetAssignmentResponse()
+            return
+        if waiting:
+            yield Park(self._cond, assigned, wait_s)
+        with self._cond:
+            wait_for_call(self._cond, assigned, max(0.0, end - time.monotonic()), context, _WAIT_SLICE_S)
+            answer = self._assignment(request.worker_id, context)
+        yield answer
 
-            def assigned() -> bool:
-                w = self._workers.get(request.worker_id)
-                return w is None or bool(w.run_id)
-
-            wait_for_call(self._cond, assigned, wait_s, context, _WAIT_SLICE_S)
-            worker = self._workers.get(request.worker_id)
-            if worker is None or not worker.run_id or not context.is_active():
-                return cpb.GetAssignmentResponse()
-            status = self._runs[worker.run_id].status
-            worker.picked_up = True
-            return cpb.GetAssignmentResponse(
-                run_id=status.run_id,
-                spec=status.spec,
-                rank=list(status.workers).index(worker.worker_id),
-                workers=status.workers,
-                # Known from the spec, or once the first worker resolved epochs (GetPlacement).
-                total_steps=status.total_steps or status.spec.steps,
-            )
+    def _assignment(self, worker_id: int, context: grpc.ServicerContext) -> cpb.GetAssignmentResponse:
+        """A worker's assignment, marked picked up; empty when it has none (lock held)."""
+        worker = self._workers.get(worker_id)
+        if worker is None or not worker.run_id or not context.is_active():
+            return cpb.GetAssignmentResponse()
+        status = self._runs[worker.run_id].status
+        worker.picked_up = True
+        return cpb.GetAssignmentResponse(
+            run_id=status.run_id,
+            spec=status.spec,
+            rank=list(status.workers).index(worker.worker_id),
+            workers=status.workers,
+            # Known from the spec, or once the first worker resolved epochs (GetPlacement).
+            total_steps=status.total_steps or status.spec.steps,
+        )
 
     def GetPlacement(self, request: cpb.GetPlacementRequest, context: grpc.ServicerContext) -> cpb.GetPlacementResponse:
         with self._cond:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -11,6 +10,7 @@ import torch
 from gradps.data_stream import DataStream
 from gradps.optimizer import ShardOptimizer
 from gradps.placement import PartKey
+from gradps.serving import ParkCondition
 from gradps.shared_memory import Segment
 from gradps.v1 import run_pb2, shard_pb2
 
@@ -70,7 +70,7 @@ class RunState:
     workers: frozenset[int]
     live_workers: set[int]
     membership_epoch: int = 0
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    cond: ParkCondition = field(default_factory=ParkCondition)
     # Per worker, the steps of its latest applied pushes (REMEMBERED_PUSHES of them) and each
     # one's staleness: a push made again is answered as it was and applied once.
     applied: dict[int, dict[int, int]] = field(default_factory=dict)

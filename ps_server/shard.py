@@ -88,7 +88,7 @@ from ps_server.run_checks import (
 )
 from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes import ShardRule, open_run
-from ps_server.waiting import call_wait
+from ps_server.waiting import call_park, call_wait, time_left
 
 _LOGGER = logging.getLogger("gradps.shard")
 
@@ -315,15 +315,27 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 raise Ended(f"run {run.run_id!r} ended: no more rounds")
             check_epoch(run, header.restore_epoch)
             check_alive(context, "deposit")  # a deposit of a call that went first is not stored
+            round_of = (header.worker_id, header.step, members, header.is_global)
+            everyone = None
             if header.consensus:  # the average of the latest deposits: nothing deposited, no round
                 averages, frontier = rule.consensus(header.worker_id, list(got.values))
             else:
-                wait = call_wait(run, context, f"round {header.step} of {sorted(members)}")
-                averages, frontier = rule.group_average(
-                    header.worker_id, header.step, members, header.is_global, got.values, wait=wait
-                )
-            self._changed(run, rule)
-            run.cond.notify_all()
+                everyone = rule.deposit(*round_of, got.values)
+                if everyone is None:
+                    averages, frontier = rule.answer_round(*round_of, got.values)
+            if everyone is None:
+                self._changed(run, rule)
+                run.cond.notify_all()
+        if everyone is not None:  # a global round: answered once every member deposited
+            end = time.monotonic() + rule.round_wait_s
+            yield from call_park(run, everyone, rule.round_wait_s)  # holding no thread
+            with run.cond:
+                check_epoch(run, header.restore_epoch)  # the run may have gone back meanwhile
+                if not call_wait(run, context, f"round {header.step} of {sorted(members)}")(everyone, time_left(end)):
+                    rule.missed_round(header.step)
+                averages, frontier = rule.answer_round(*round_of, got.values)
+                self._changed(run, rule)
+                run.cond.notify_all()
         # A round's result is fixed: its parts need no lock.
         items = [(part_meta(run.parts[key], _NONE, frontier), avg) for key, avg in averages.items()]
         with route as out:
@@ -636,9 +648,11 @@ def _answer(
     parts = list(run.parts.values())
     wait_s = min(request.wait_ms / 1000, MAX_CLAIM_S) if request.wait_ms else _DEFAULT_WAIT_S
     waiting = f"parts not ready (version {request.min_version}, clock {request.clock})"
+    end = time.monotonic() + wait_s
+    yield from call_park(run, lambda: rule.pull_ready(parts, request), wait_s)
     with run.cond:
         check_epoch(run, request.restore_epoch)  # again: the run may have gone back meanwhile
-        if not call_wait(run, context, waiting)(lambda: rule.pull_ready(parts, request), wait_s):
+        if not call_wait(run, context, waiting)(lambda: rule.pull_ready(parts, request), time_left(end)):
             raise TimedOut(f"{waiting} after {wait_s:.1f}s")
         # What is not the live weights (a reduced gradient, ...) is copied now, under the lock
         # that found it ready; the live weights part by part as they are sent (frame's guard),

@@ -1,18 +1,41 @@
 """How a shard's handler waits on a run (a sync pull, an ssp clock, a wagma round) without
-outliving its call."""
+outliving its call, and without holding a thread while it waits (`call_park`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from gradps.channel import wait_for_call
 from gradps.errors import Cancelled, Ended, RolledBack, TimedOut
+from gradps.serving import Park
 from ps_server.run_state import RunState, Wait
 
 # The slices in which a waiting call checks that its client is still there and its deadline not passed.
 _WAIT_SLICE_S = 0.25
+
+
+def call_park(run: RunState, ready: Callable[[], bool], timeout_s: float) -> Iterator[Park]:
+    """For a handler generator, before it takes `run.cond` to wait with `call_wait`: parks the
+    call, holding no thread, until `ready()` is (or the run ended, closed or went back to a
+    checkpoint, or `timeout_s` passed, or the call ended). `call_wait` then finds it so at once,
+    or waits out what is left: the decision is always made under the lock."""
+    epoch = run.restore_epoch
+
+    def settled() -> bool:
+        return run.restore_epoch != epoch or run.closed or run.ended or ready()
+
+    with run.cond:
+        if settled():
+            return
+    yield Park(run.cond, settled, timeout_s)
+
+
+def time_left(end: float) -> float:
+    """Seconds until the monotonic time `end`, at least 0."""
+    return max(0.0, end - time.monotonic())
 
 
 def call_wait(run: RunState, context: grpc.ServicerContext, waiting: str) -> Wait:

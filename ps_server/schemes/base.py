@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -83,6 +84,9 @@ class ShardRule(ABC):
     def on_pull(self, worker_id: int, parts: list[Part]) -> None:  # noqa: B027 (optional hook)
         """A pull of `parts` by `worker_id` is being answered."""
 
+    # How long a round that waits for its members (wagma's global round) waits at most.
+    round_wait_s = 0.0
+
     def group_average(
         self,
         worker_id: int,
@@ -92,11 +96,32 @@ class ShardRule(ABC):
         deposit: dict[PartKey, torch.Tensor],
         wait: Wait | None = None,
     ) -> tuple[dict[PartKey, torch.Tensor], int]:
-        """A group round (wagma). Returns the round's averages and the highest step deposited.
+        """A group round (wagma) whole: `deposit`, the wait for the other members where the
+        round has one, `answer_round`. `wait` is how the round waits (the caller's: it ends when
+        the call does, with Cancelled or TimedOut); `run.cond.wait_for` when None."""
+        everyone = self.deposit(worker_id, step, members, is_global, deposit)
+        if everyone is not None:
+            wait = wait or (lambda ready, timeout_s: self.run.cond.wait_for(ready, timeout=timeout_s))
+            if not wait(everyone, self.round_wait_s):
+                self.missed_round(step)
+        return self.answer_round(worker_id, step, members, is_global, deposit)
 
-        `deposit` holds every part of the run on this shard (the service checks it). `wait` is how
-        the round waits for the other members (the caller's: it ends when the call does, with
-        Cancelled or TimedOut); `run.cond.wait_for` when None."""
+    def deposit(
+        self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
+    ) -> Callable[[], bool] | None:
+        """Store a member's deposit for a round (`run.cond` held). Returns what the round waits
+        for before it is answered (every live member's deposit, for a global round), or None.
+        `deposit` holds every part of the run on this shard (the service checks it)."""
+        raise NotNow(f"scheme {self.run.spec.scheme!r} has no group rounds")
+
+    def missed_round(self, step: int) -> None:  # noqa: B027 (optional hook)
+        """The round of `step` waited `round_wait_s` and is fixed without every member."""
+
+    def answer_round(
+        self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
+    ) -> tuple[dict[PartKey, torch.Tensor], int]:
+        """The round's averages for the member that deposited `deposit` (fixing the round if no
+        member did yet), and the highest step deposited."""
         raise NotNow(f"scheme {self.run.spec.scheme!r} has no group rounds")
 
     def consensus(self, worker_id: int, keys: list[PartKey]) -> tuple[dict[PartKey, torch.Tensor], int]:

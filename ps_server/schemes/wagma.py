@@ -17,13 +17,14 @@ for every live member.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from gradps.errors import NotNow
 from gradps.placement import PartKey
-from ps_server.run_state import Push, RunState, Wait
+from ps_server.run_state import Push, RunState
 from ps_server.saved_state import Saved, part_of
 from ps_server.schemes.base import ShardRule
 
@@ -36,7 +37,7 @@ _KEEP_DEPOSITS = 2
 MAX_LAG = 1
 # A live member that has not reached a global round after this long is treated like a late member
 # of a group round (its latest model is used): a global round must never hang the run.
-_GLOBAL_WAIT_S = 30.0
+GLOBAL_WAIT_S = 30.0
 _LOGGER = logging.getLogger("gradps.shard")
 
 RoundKey = tuple[int, frozenset[int]]
@@ -120,15 +121,11 @@ class WagmaRule(ShardRule):
     def push(self, push: Push) -> int:
         raise NotNow("wagma workers exchange models with GroupAverage, not gradients")
 
-    def group_average(
-        self,
-        worker_id: int,
-        step: int,
-        members: frozenset[int],
-        is_global: bool,
-        deposit: dict[PartKey, torch.Tensor],
-        wait: Wait | None = None,
-    ) -> tuple[dict[PartKey, torch.Tensor], int]:
+    round_wait_s = GLOBAL_WAIT_S
+
+    def deposit(
+        self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
+    ) -> Callable[[], bool] | None:
         if worker_id not in self.run.live_workers:
             raise NotNow(f"worker {worker_id} is not a live member of the run")
         round_key = (step, members)
@@ -144,18 +141,25 @@ class WagmaRule(ShardRule):
             mine[key] = history[-_KEEP_DEPOSITS:]
         self.frontier = max(self.frontier, step)
         self.run.cond.notify_all()
-        if is_global and round_key not in self.rounds:
+        if not is_global or round_key in self.rounds:
+            return None
 
-            def everyone_deposited() -> bool:
-                return round_key in self.rounds or all(
-                    self._deposit(m, key, step, exact=True) is not None
-                    for m in members & self.run.live_workers
-                    for key in deposit
-                )
+        def everyone_deposited() -> bool:
+            return round_key in self.rounds or all(
+                self._deposit(m, key, step, exact=True) is not None
+                for m in members & self.run.live_workers
+                for key in deposit
+            )
 
-            wait = wait or (lambda ready, timeout_s: self.run.cond.wait_for(ready, timeout=timeout_s))
-            if not wait(everyone_deposited, _GLOBAL_WAIT_S):
-                _LOGGER.warning("run %s: global round %d fixed without every live member", self.run.run_id, step)
+        return everyone_deposited
+
+    def missed_round(self, step: int) -> None:
+        _LOGGER.warning("run %s: global round %d fixed without every live member", self.run.run_id, step)
+
+    def answer_round(
+        self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
+    ) -> tuple[dict[PartKey, torch.Tensor], int]:
+        round_key = (step, members)
         if round_key not in self.rounds:
             self.rounds[round_key], self.used[round_key] = self._fix_round(step, members, list(deposit), is_global)
             self._prune()
