@@ -95,7 +95,9 @@ def open_channel(
     read and cancelled by that thread only."""
     tune_allocator()
     tls = tls or client_tls(address)
-    options: tuple[tuple[str, object], ...] = _OPTIONS
+    # A connection of its own: a service counts a caller's calls by connection (without a
+    # worker's token), and gRPC would otherwise share one between every channel to an address.
+    options: tuple[tuple[str, object], ...] = (*_OPTIONS, ("grpc.use_local_subchannel_pool", 1))
     if in_caller_thread:
         options += ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
     if tls is None:

@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gradps.serving import Park
 from gradps.v1 import tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.metrics")
@@ -270,7 +271,7 @@ def _stream_response(
         try:
             for response in responses:
                 yield response
-                sent += 1
+                sent += not isinstance(response, Park)  # a wait (gradps.serving), not a message
             code = _code(context, failed=False)
         except GeneratorExit:  # gRPC closed the stream: the client cancelled or went away
             code = "CANCELLED"

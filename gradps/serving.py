@@ -6,9 +6,9 @@ stream) must not hold an OS thread while it waits, or a few dozen of them take e
 the call they wait for queues behind them. Handlers stay plain functions (their work is CPU-bound:
 decode, update, encode) and run with the sync interceptors (`grpc.ServerInterceptor`: metrics,
 auth, call limits, status) on a bounded pool; only waiting moves to the event loop. A handler that
-waits is a generator: where it would block it yields `Park(cond, ready, timeout_s)`, which frees
-its thread until `ready()` (looked at under `cond`, a `ParkCondition`) may be true, the time is
-up or the call ended, then it goes on, on whichever pool thread is free. A unary method that
+waits is a generator: where it would block it yields from `parked(cond, ready, timeout_s)`, which
+frees its thread until the notifier of `cond` (a `ParkCondition`) finds `ready()` true, the time
+is up or the call ended; then it goes on, on whichever pool thread is free. A unary method that
 waits yields its one response. Health checks are answered on the event loop itself, so they are
 answered however busy the pool is.
 """
@@ -27,10 +27,8 @@ from typing import Any
 
 import grpc
 
-# How long a parked call sleeps between looks when nothing wakes it (it looks again on every
-# notify of its condition), and when its condition's lock was busy at its last look.
+# How often a parked call looks whether it ended (the client cancelled, its deadline passed).
 _PARK_SLICE_S = 0.25
-_BUSY_SLICE_S = 0.002
 # Answered on the event loop: quick, and a probe must be answered while every pool thread works.
 _INLINE = frozenset({"/grpc.health.v1.Health/Check"})
 _DONE = object()
@@ -39,23 +37,31 @@ _HELD = 2
 
 
 class Park:
-    """What a waiting handler yields: wait, holding no thread, until `ready()` (called with
-    `cond` held) is true or raises, or `timeout_s` passed, or the call ended. The handler then
-    looks again itself: being woken promises nothing."""
+    """What a waiting handler yields (made by `parked`): wait, holding no thread, until its
+    condition's notifier finds `ready()` true (or raising), `timeout_s` passed, or the call
+    ended. The handler then looks again itself: being woken promises nothing."""
 
-    __slots__ = ("cond", "ready", "timeout_s")
+    __slots__ = ("event", "ready", "timeout_s")
 
-    def __init__(self, cond: ParkCondition, ready: Callable[[], bool], timeout_s: float) -> None:
-        self.cond, self.ready, self.timeout_s = cond, ready, timeout_s
+    def __init__(self, ready: Callable[[], bool], timeout_s: float) -> None:
+        self.ready, self.timeout_s = ready, timeout_s
+        self.event = asyncio.Event()  # bound to the event loop when it first waits on it
+
+    def settled(self) -> bool:
+        try:
+            return bool(self.ready())
+        except Exception:  # the handler meets the error when it looks
+            return True
 
 
 class ParkCondition(threading.Condition):
-    """A `threading.Condition` whose notify also wakes the calls parked on it."""
+    """A `threading.Condition` whose notify also wakes the calls parked on it whose condition
+    now holds: the notifier looks for them, under the lock it holds, so a parked call never
+    wakes to find it taken, and the event loop never takes it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._parked_lock = threading.Lock()  # never held while blocking: the event loop takes it
-        self._parked: set[asyncio.Event] = set()
+        self._parked: set[Park] = set()  # guarded by the condition's own lock
 
     def notify(self, n: int = 1) -> None:
         super().notify(n)
@@ -66,19 +72,26 @@ class ParkCondition(threading.Condition):
         self._wake_parked()
 
     def _wake_parked(self) -> None:
-        with self._parked_lock:
-            if not self._parked:
-                return
-            woken = tuple(self._parked)
-        _event_loop().call_soon_threadsafe(_set_each, woken)
+        woken = [park for park in self._parked if park.settled()]
+        if woken:
+            self._parked.difference_update(woken)
+            _event_loop().call_soon_threadsafe(_set_each, [park.event for park in woken])
 
-    def _park(self, event: asyncio.Event) -> None:
-        with self._parked_lock:
-            self._parked.add(event)
 
-    def _unpark(self, event: asyncio.Event) -> None:
-        with self._parked_lock:
-            self._parked.discard(event)
+def parked(cond: ParkCondition, ready: Callable[[], bool], timeout_s: float) -> Iterator[Park]:
+    """For a generator handler, which must not hold `cond` here: unless `ready()` holds now
+    (looked at under `cond`), wait for it, holding no thread, for at most `timeout_s`. The
+    handler looks again after (under `cond`): the wait may have ended for another reason."""
+    with cond:
+        if ready():
+            return
+        park = Park(ready, timeout_s)
+        cond._parked.add(park)  # under the lock: no notify between the look and here is missed
+    try:
+        yield park
+    finally:
+        with cond:
+            cond._parked.discard(park)
 
 
 def _set_each(events: Iterable[asyncio.Event]) -> None:
@@ -182,41 +195,20 @@ class _Requests:
 
 
 async def _wait_parked(park: Park, context: grpc.aio.ServicerContext) -> None:
-    """Until `park.ready()` looks true (or raised), its time passed, or the call ended."""
-    woken = asyncio.Event()
-    park.cond._park(woken)
-    try:
-        end = time.monotonic() + park.timeout_s
-        while not context.done():
-            woken.clear()  # before the look: a notify after it is never missed
-            seen = _look(park)
-            if seen:
-                return
-            left = end - time.monotonic()
-            remaining = context.time_remaining()
-            if remaining is not None:
-                left = min(left, remaining)
-            if left <= 0:
-                return
-            try:
-                await asyncio.wait_for(woken.wait(), min(left, _BUSY_SLICE_S if seen is None else _PARK_SLICE_S))
-            except TimeoutError:
-                pass
-    finally:
-        park.cond._unpark(woken)
-
-
-def _look(park: Park) -> bool | None:
-    """`park.ready()` under its lock, or None when another thread holds the lock (the event
-    loop never blocks on it). An error counts as ready: the handler meets it when it looks."""
-    if not park.cond.acquire(blocking=False):
-        return None
-    try:
-        return bool(park.ready())
-    except Exception:
-        return True
-    finally:
-        park.cond.release()
+    """Until `park` is woken, its time passed, or the call ended."""
+    end = time.monotonic() + park.timeout_s
+    while not context.done():
+        left = end - time.monotonic()
+        remaining = context.time_remaining()
+        if remaining is not None:
+            left = min(left, remaining)
+        if left <= 0:
+            return
+        try:
+            await asyncio.wait_for(park.event.wait(), min(left, _PARK_SLICE_S))
+            return
+        except TimeoutError:
+            pass
 
 
 class _Handoff:
@@ -377,7 +369,7 @@ def _bridged(handler: grpc.RpcMethodHandler, pool: futures.Executor, unary_gener
 
         bridged = unary
     out_kind = kind if not unary_generator else ("stream_unary" if streams_in else "unary_unary")
-    fields = {k: None for k in _KINDS}
+    fields: dict[str, Callable[..., Any] | None] = {k: None for k in _KINDS}
     fields[out_kind] = bridged
     return handler._replace(response_streaming=out_kind.endswith("stream"), **fields)
 
@@ -500,4 +492,4 @@ class Server:
         return bool(done.result())
 
 
-__all__ = ["Park", "ParkCondition", "Server", "SyncContext"]
+__all__ = ["Park", "ParkCondition", "Server", "SyncContext", "parked"]

@@ -53,7 +53,7 @@ from gradps.logs import configure_logging, log_options
 from gradps.placement import place
 from gradps.run_spec import MEMBERSHIP_CHANGES_PER_WORKER, validate, with_defaults
 from gradps.schemes import get_scheme
-from gradps.serving import Park, ParkCondition
+from gradps.serving import Park, ParkCondition, parked
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, shard_pb2_grpc
 from ps_server.coordinator_limits import (
@@ -369,7 +369,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         _LOGGER.info("run %s deleted", request.run_id, extra={"run_id": request.run_id})
         return cpb.DeleteRunResponse()
 
-    def WatchRun(self, request: cpb.WatchRunRequest, context: grpc.ServicerContext) -> Iterator[cpb.WatchRunResponse]:
+    def WatchRun(
+        self, request: cpb.WatchRunRequest, context: grpc.ServicerContext
+    ) -> Iterator[cpb.WatchRunResponse | Park]:
         with self._cond:
             record = self._record(request.run_id)
             if record.history_stored:  # a restored run: its events from before the restart, and since
@@ -381,10 +383,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return len(record.events) > sent or record.ended
 
         while context.is_active():
-            with self._cond:
-                waiting = not news()
-            if waiting:  # an open stream holds no thread between its events
-                yield Park(self._cond, news, _WATCH_SLICE_S)
+            yield from parked(self._cond, news, _WATCH_SLICE_S)  # holding no thread between events
             with self._cond:
                 new = record.events[sent:]
                 finished = record.ended and sent + len(new) == len(record.events)
@@ -612,7 +611,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             yield cpb.GetAssignmentResponse()
             return
         if waiting:
-            yield Park(self._cond, assigned, wait_s)
+            yield from parked(self._cond, assigned, wait_s)
         with self._cond:
             wait_for_call(self._cond, assigned, max(0.0, end - time.monotonic()), context, _WAIT_SLICE_S)
             answer = self._assignment(request.worker_id, context)

@@ -59,6 +59,7 @@ from gradps.errors import (
 )
 from gradps.logs import configure_logging, log_options, set_log_context
 from gradps.placement import PartKey
+from gradps.serving import Park
 from gradps.shared_memory import Segment, SegmentError, check_name
 from gradps.transport import INLINE_IN, INLINE_OUT, Item, Outbound, frame, unframe
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
@@ -264,7 +265,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 self._changed(run, rule)  # the checkpoint of that step may be due now
             return shard_pb2.RegisterTensorsResponse(initialised=initialised)
 
-    def Pull(self, request: shard_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def Pull(self, request: shard_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes | Park]:
         run, rule = self._run(request.run_id)
         with run.cond:
             check_epoch(run, request.restore_epoch)
@@ -278,7 +279,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._declared(got)
         return _apply(got, context, began, self._changed)
 
-    def PushPull(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    def PushPull(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes | Park]:
         began = time.perf_counter()
         with ExitStack() as claims:
             got = receive(self._push_pull, request_iterator, claims, context)
@@ -292,7 +293,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         header = shard_pb2.PushPullResponse(push=_apply(got, context, began, self._changed))
         yield from _answer(run, rule, pull, route, header, context)
 
-    def GroupAverage(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    def GroupAverage(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes | Park]:
         # The deposit is read whole (from the stream too, holding its receive direction) before
         # the round; the average is sent after it (holding the send direction).
         began = time.perf_counter()
@@ -641,7 +642,7 @@ def _answer(
     route: AbstractContextManager[Outbound],
     header: shard_pb2.PullResponse | shard_pb2.PushPullResponse,
     context: grpc.ServicerContext,
-) -> Iterator[bytes]:
+) -> Iterator[bytes | Park]:
     """A pull's answer, once the rule says its parts are ready: messages repeating `header`,
     which names the run's declared cut as it is then."""
     began = time.perf_counter()

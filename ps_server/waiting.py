@@ -10,7 +10,7 @@ import grpc
 
 from gradps.channel import wait_for_call
 from gradps.errors import Cancelled, Ended, RolledBack, TimedOut
-from gradps.serving import Park
+from gradps.serving import Park, parked
 from ps_server.run_state import RunState, Wait
 
 # The slices in which a waiting call checks that its client is still there and its deadline not passed.
@@ -27,10 +27,7 @@ def call_park(run: RunState, ready: Callable[[], bool], timeout_s: float) -> Ite
     def settled() -> bool:
         return run.restore_epoch != epoch or run.closed or run.ended or ready()
 
-    with run.cond:
-        if settled():
-            return
-    yield Park(run.cond, settled, timeout_s)
+    yield from parked(run.cond, settled, timeout_s)
 
 
 def time_left(end: float) -> float:

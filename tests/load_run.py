@@ -1,0 +1,162 @@
+"""One sync run driven by many lightweight workers in the test process (each a real session and
+parameter client over real sockets to the real coordinator and shards), with the services'
+threads, file descriptors, health and GetCluster answer times sampled while it runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.local_cluster import LocalCluster
+from client.sdk import Client, run_spec
+from gradps.channel import open_channel
+from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import coordinator_pb2_grpc
+from tests.joined_run import join_run, leave
+
+LR = 0.5
+SIZE = 1024  # elements per tensor: a small model, so that the load is the calls, not the bytes
+
+
+@dataclass
+class Sampled:
+    """The most seen of each service while the run went on, and what went wrong."""
+
+    threads: dict[str, int] = field(default_factory=dict)
+    fds: dict[str, int] = field(default_factory=dict)
+    slowest_get_cluster_s: float = 0.0
+    failed_health_checks: int = 0
+    health_checks: int = 0
+
+
+@dataclass
+class LoadResult:
+    workers: int
+    steps: int
+    seconds: float
+    pulls_s: list[float]
+    pushes_s: list[float]
+    final: list[dict[str, torch.Tensor]]
+    start: dict[str, torch.Tensor]
+    sampled: Sampled
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds
+
+    def p99(self, times: list[float]) -> float:
+        ordered = sorted(times)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+    def line(self) -> str:
+        threads = ", ".join(f"{k} {v}" for k, v in sorted(self.sampled.threads.items()))
+        fds = ", ".join(f"{k} {v}" for k, v in sorted(self.sampled.fds.items()))
+        return (
+            f"{self.workers} workers: {self.steps_per_s:.2f} steps/s, p99 pull {1e3 * self.p99(self.pulls_s):.0f} ms, "
+            f"p99 push {1e3 * self.p99(self.pushes_s):.0f} ms; threads {threads}; fds {fds}; "
+            f"slowest GetCluster {1e3 * self.sampled.slowest_get_cluster_s:.0f} ms; "
+            f"health checks failed {self.sampled.failed_health_checks} of {self.sampled.health_checks}"
+        )
+
+
+def _proc_threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _sample(cluster: LocalCluster, addresses: dict[str, str], sampled: Sampled, stop: threading.Event) -> None:
+    pids = {"coordinator": cluster.coordinator.pid} if cluster.coordinator else {}
+    pids |= {f"shard{i}": p.pid for i, p in enumerate(cluster.shards)}
+    channels = {name: grpc.insecure_channel(address) for name, address in addresses.items()}
+    health = {name: health_pb2_grpc.HealthStub(c) for name, c in channels.items()}
+    with open_channel(cluster.address) as channel:
+        coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        while not stop.wait(0.5):
+            for name, pid in pids.items():
+                sampled.threads[name] = max(sampled.threads.get(name, 0), _proc_threads(pid))
+                sampled.fds[name] = max(sampled.fds.get(name, 0), len(list(Path(f"/proc/{pid}/fd").iterdir())))
+            began = time.perf_counter()
+            coordinator.GetCluster(cpb.GetClusterRequest(), timeout=30)
+            sampled.slowest_get_cluster_s = max(sampled.slowest_get_cluster_s, time.perf_counter() - began)
+            for stub in health.values():
+                sampled.health_checks += 1
+                try:
+                    answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    sampled.failed_health_checks += answer.status != health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    sampled.failed_health_checks += 1
+    for c in channels.values():
+        c.close()
+
+
+def sync_load(
+    cluster: LocalCluster,
+    workers: int,
+    steps: int,
+    beside: Callable[[str, list[int]], Callable[[], None]] | None = None,
+) -> LoadResult:
+    """`steps` sync steps of `workers` workers, each pulling (waiting for the step) then pushing;
+    `beside(run_id, worker_ids, addresses of the shards holding its parts)`, when given, starts
+    more load for the run and returns how to stop it."""
+    seeded = torch.Generator().manual_seed(1)
+    start = {name: torch.randn(SIZE, generator=seeded) for name in ("a", "b", "c", "d")}
+    spec = run_spec("sync", workers=workers, steps=steps, eval_every=0, optimizer="sgd", lr=LR)
+    run_id, sessions, clients, placement = join_run(cluster.address, spec, start, workers, transport="grpc")
+    with Client(cluster.address) as client:
+        addresses = {f"shard{i}": address for i, address in enumerate(client.cluster().shards)}
+    addresses["coordinator"] = cluster.address
+    sampled, stop = Sampled(), threading.Event()
+    sampler = threading.Thread(target=_sample, args=(cluster, addresses, sampled, stop), daemon=True)
+    pulls, pushes = [], []
+    try:
+        clients[0].register(start)
+        holding = sorted({placement.shards[p.shard] for p in placement.parts})
+        stop_beside = beside(run_id, [s.worker_id for s in sessions], holding) if beside else None
+        sampler.start()
+
+        def work(i: int) -> dict[str, torch.Tensor]:
+            grad = {n: torch.full((SIZE,), float(i % 2)) for n in start}
+            into = {n: torch.zeros(SIZE) for n in start}
+            for step in range(steps):
+                began = time.perf_counter()
+                clients[i].pull(into, min_version=step)
+                pulls.append(time.perf_counter() - began)
+                began = time.perf_counter()
+                clients[i].push(grad, step)
+                pushes.append(time.perf_counter() - began)
+            clients[i].pull(into, min_version=steps)
+            return into
+
+        began = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            final = list(pool.map(work, range(workers)))
+        seconds = time.perf_counter() - began
+        if stop_beside:
+            stop_beside()
+    finally:
+        stop.set()
+        if sampler.is_alive():
+            sampler.join(timeout=60)
+        leave(sessions, clients)
+    return LoadResult(workers, steps, seconds, pulls, pushes, final, start, sampled)
+
+
+def expected_final(result: LoadResult) -> dict[str, torch.Tensor]:
+    """The weights after the run: plain SGD on the mean gradient (half the workers push ones,
+    half zeros: exactly 0.5) at every step."""
+    mean = sum(i % 2 for i in range(result.workers)) / result.workers
+    weights = {n: t.clone() for n, t in result.start.items()}
+    for _ in range(result.steps):
+        for t in weights.values():
+            t.sub_(torch.full_like(t, mean), alpha=LR)
+    return weights

@@ -1,0 +1,82 @@
+"""A real cluster's load on the local one: a sync run of 256 workers, and a run beside a thousand
+waiting pulls and a thousand open WatchRun streams. Waiting calls hold no thread (gradps.serving),
+so each service's threads stay far below the calls it holds. Figures are printed (`-s`), not
+asserted: this machine is shared; docs/performance.md has them from 4 to 256 workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from client.local_cluster import LocalCluster
+from gradps.channel import open_channel
+from gradps.v1 import coordinator_pb2 as cpb
+from gradps.v1 import coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc
+from tests.load_run import expected_final, sync_load
+
+pytestmark = pytest.mark.load
+
+# Below any count of waiting calls here: the shards' pools have 32 threads, the coordinator's 64.
+MOST_THREADS = 120
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(shards=2, workers=0) as c:
+        yield c
+
+
+def test_a_sync_run_of_256_workers_completes_exactly_with_bounded_threads(cluster):
+    result = sync_load(cluster, workers=256, steps=4)
+    print(result.line())
+    expected = expected_final(result)
+    assert all(all(torch.equal(w[n], expected[n]) for n in expected) for w in result.final)
+    assert result.sampled.failed_health_checks == 0 and result.sampled.health_checks > 0
+    # 256 pulls wait at every step boundary: a thread each would be 256 and more.
+    assert max(result.sampled.threads.values()) < MOST_THREADS, result.sampled.threads
+
+
+def _idle_load(address: str) -> Callable[[str, list[int], list[str]], Callable[[], None]]:
+    """1,000 pulls that wait for a step the run never reaches and 1,000 open WatchRun streams, on
+    100 connections each (a connection is one caller, limited to half a service's threads)."""
+
+    def start(run_id: str, workers: list[int], shards: list[str]) -> Callable[[], None]:
+        channels = [open_channel(address) for _ in range(100)]
+        channels += [open_channel(shards[i % len(shards)]) for i in range(100)]
+        calls = []
+        for i, channel in enumerate(channels):
+            for _ in range(10):
+                if i < 100:
+                    watch = coordinator_pb2_grpc.CoordinatorServiceStub(channel).WatchRun
+                    calls.append(watch(cpb.WatchRunRequest(run_id=run_id), timeout=600))
+                else:
+                    pull = shard_pb2_grpc.ShardServiceStub(channel).Pull
+                    request = shard_pb2.PullRequest(
+                        run_id=run_id, worker_id=workers[i % len(workers)], min_version=10**9, wait_ms=600_000
+                    )
+                    calls.append(pull(request, timeout=600))
+
+        def stop() -> None:
+            held = sum(not call.done() for call in calls)
+            for call in calls:
+                call.cancel()
+            for channel in channels:
+                channel.close()
+            assert held == len(calls), f"{len(calls) - held} of the waiting calls ended early"
+
+        return stop
+
+    return start
+
+
+def test_a_run_beside_a_thousand_waiting_pulls_and_watch_streams_completes(cluster):
+    plain = sync_load(cluster, workers=8, steps=20)
+    loaded = sync_load(cluster, workers=8, steps=20, beside=_idle_load(cluster.address))
+    print(f"alone: {plain.line()}\nbeside 1,000 pulls and 1,000 streams: {loaded.line()}")
+    print(f"throughput beside them: {loaded.steps_per_s / plain.steps_per_s:.2f} of alone")
+    expected = expected_final(loaded)
+    assert all(all(torch.equal(w[n], expected[n]) for n in expected) for w in loaded.final)
+    assert loaded.sampled.failed_health_checks == 0
+    assert max(loaded.sampled.threads.values()) < MOST_THREADS, loaded.sampled.threads
