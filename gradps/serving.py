@@ -57,11 +57,13 @@ class Park:
 class ParkCondition(threading.Condition):
     """A `threading.Condition` whose notify also wakes the calls parked on it whose condition
     now holds: the notifier looks for them, under the lock it holds, so a parked call never
-    wakes to find it taken, and the event loop never takes it."""
+    wakes to find it taken, and the event loop never takes it. Calls parked with the same key
+    wait for the same thing and are looked at once: a notify costs one look per distinct wait,
+    not one per call (a sync step's hundreds of pulls wait for one version)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._parked: set[Park] = set()  # guarded by the condition's own lock
+        self._parked: dict[object, set[Park]] = {}  # guarded by the condition's own lock
 
     def notify(self, n: int = 1) -> None:
         super().notify(n)
@@ -72,26 +74,41 @@ class ParkCondition(threading.Condition):
         self._wake_parked()
 
     def _wake_parked(self) -> None:
-        woken = [park for park in self._parked if park.settled()]
+        woken: list[asyncio.Event] = []
+        for key, parks in list(self._parked.items()):
+            if next(iter(parks)).settled():
+                woken += (park.event for park in parks)
+                del self._parked[key]
         if woken:
-            self._parked.difference_update(woken)
-            _event_loop().call_soon_threadsafe(_set_each, [park.event for park in woken])
+            _event_loop().call_soon_threadsafe(_set_each, woken)
+
+    def _park(self, park: Park, key: object) -> None:
+        self._parked.setdefault(park if key is None else key, set()).add(park)
+
+    def _unpark(self, park: Park, key: object) -> None:
+        key = park if key is None else key
+        if (parks := self._parked.get(key)) is not None:
+            parks.discard(park)
+            if not parks:
+                del self._parked[key]
 
 
-def parked(cond: ParkCondition, ready: Callable[[], bool], timeout_s: float) -> Iterator[Park]:
+def parked(cond: ParkCondition, ready: Callable[[], bool], timeout_s: float, key: object = None) -> Iterator[Park]:
     """For a generator handler, which must not hold `cond` here: unless `ready()` holds now
     (looked at under `cond`), wait for it, holding no thread, for at most `timeout_s`. The
-    handler looks again after (under `cond`): the wait may have ended for another reason."""
+    handler looks again after (under `cond`): the wait may have ended for another reason.
+    `key`: calls whose `ready` is the same test give the same key (hashable), and are looked
+    at once per notify."""
     with cond:
         if ready():
             return
         park = Park(ready, timeout_s)
-        cond._parked.add(park)  # under the lock: no notify between the look and here is missed
+        cond._park(park, key)  # under the lock: no notify between the look and here is missed
     try:
         yield park
     finally:
         with cond:
-            cond._parked.discard(park)
+            cond._unpark(park, key)
 
 
 def _set_each(events: Iterable[asyncio.Event]) -> None:

@@ -650,7 +650,9 @@ def _answer(
     wait_s = min(request.wait_ms / 1000, MAX_CLAIM_S) if request.wait_ms else _DEFAULT_WAIT_S
     waiting = f"parts not ready (version {request.min_version}, clock {request.clock})"
     end = time.monotonic() + wait_s
-    yield from call_park(run, lambda: rule.pull_ready(parts, request), wait_s)
+    # Pulls that wait for the same version, clock or gradient wait for the same thing.
+    waits_for = (request.min_version, request.clock, request.gradient, request.gradient_step)
+    yield from call_park(run, lambda: rule.pull_ready(parts, request), wait_s, key=waits_for)
     with run.cond:
         check_epoch(run, request.restore_epoch)  # again: the run may have gone back meanwhile
         if not call_wait(run, context, waiting)(lambda: rule.pull_ready(parts, request), time_left(end)):

@@ -17,17 +17,18 @@ from ps_server.run_state import RunState, Wait
 _WAIT_SLICE_S = 0.25
 
 
-def call_park(run: RunState, ready: Callable[[], bool], timeout_s: float) -> Iterator[Park]:
+def call_park(run: RunState, ready: Callable[[], bool], timeout_s: float, key: object = None) -> Iterator[Park]:
     """For a handler generator, before it takes `run.cond` to wait with `call_wait`: parks the
     call, holding no thread, until `ready()` is (or the run ended, closed or went back to a
     checkpoint, or `timeout_s` passed, or the call ended). `call_wait` then finds it so at once,
-    or waits out what is left: the decision is always made under the lock."""
+    or waits out what is left: the decision is always made under the lock. `key`: what
+    `ready` waits for, the same for calls that wait for the same (`gradps.serving.parked`)."""
     epoch = run.restore_epoch
 
     def settled() -> bool:
         return run.restore_epoch != epoch or run.closed or run.ended or ready()
 
-    yield from parked(run.cond, settled, timeout_s)
+    yield from parked(run.cond, settled, timeout_s, None if key is None else (epoch, key))
 
 
 def time_left(end: float) -> float:

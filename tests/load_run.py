@@ -18,12 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.local_cluster import LocalCluster
 from client.sdk import Client, run_spec
 from gradps.channel import open_channel
+from gradps.parameter_client import ParameterClient
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc
 from tests.joined_run import join_run, leave
 
 LR = 0.5
 SIZE = 1024  # elements per tensor: a small model, so that the load is the calls, not the bytes
+Tensors = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Sampled:
 
 @dataclass
 class LoadResult:
+    scheme: str
     workers: int
     steps: int
     seconds: float
@@ -53,15 +56,16 @@ class LoadResult:
         return self.steps / self.seconds
 
     def p99(self, times: list[float]) -> float:
-        ordered = sorted(times)
+        ordered = sorted(times) or [0.0]
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
     def line(self) -> str:
         threads = ", ".join(f"{k} {v}" for k, v in sorted(self.sampled.threads.items()))
         fds = ", ".join(f"{k} {v}" for k, v in sorted(self.sampled.fds.items()))
+        pull, push = 1e3 * self.p99(self.pulls_s), 1e3 * self.p99(self.pushes_s)
         return (
-            f"{self.workers} workers: {self.steps_per_s:.2f} steps/s, p99 pull {1e3 * self.p99(self.pulls_s):.0f} ms, "
-            f"p99 push {1e3 * self.p99(self.pushes_s):.0f} ms; threads {threads}; fds {fds}; "
+            f"{self.scheme}, {self.workers} workers: {self.steps_per_s:.2f} steps/s, "
+            f"p99 pull {pull:.0f} ms, p99 push {push:.0f} ms; threads {threads}; fds {fds}; "
             f"slowest GetCluster {1e3 * self.sampled.slowest_get_cluster_s:.0f} ms; "
             f"health checks failed {self.sampled.failed_health_checks} of {self.sampled.health_checks}"
         )
@@ -99,42 +103,67 @@ def _sample(cluster: LocalCluster, addresses: dict[str, str], sampled: Sampled, 
         c.close()
 
 
-def sync_load(
-    cluster: LocalCluster,
-    workers: int,
-    steps: int,
-    beside: Callable[[str, list[int]], Callable[[], None]] | None = None,
+Beside = Callable[[str, list[int], list[str]], Callable[[], None]]
+
+
+def _step(
+    scheme: str, client: ParameterClient, step: int, last: bool, grad: Tensors, into: Tensors, group: list[int]
+) -> tuple[float, float]:
+    """One step as the scheme's worker makes it (gpu_worker/schemes/): (pull, push) seconds,
+    where a combined call counts as a pull (it waits for the step)."""
+    began = time.perf_counter()
+    if scheme == "sync":
+        client.push_pull(grad, step, into, min_version=step + 1)
+    elif scheme == "asgd":
+        client.push_pull(grad, step, into)
+    elif scheme == "ssp":
+        client.push_pull(grad, step, into, clock=step + 1)
+    elif scheme == "pseudosync":
+        client.push(grad, step)
+        pushed = time.perf_counter()
+        client.pull_gradient(step, into)
+        return time.perf_counter() - pushed, pushed - began
+    elif scheme == "wagma":  # pairs, and a global round (every member waits for all) at the end
+        average, _ = client.group_average(into, step, group, is_global=last)
+        for name, t in into.items():
+            t.copy_(average[name]).sub_(grad[name], alpha=LR)
+    return time.perf_counter() - began, 0.0
+
+
+def scheme_load(
+    cluster: LocalCluster, scheme: str, workers: int, steps: int, beside: Beside | None = None
 ) -> LoadResult:
-    """`steps` sync steps of `workers` workers, each pulling (waiting for the step) then pushing;
-    `beside(run_id, worker_ids, addresses of the shards holding its parts)`, when given, starts
-    more load for the run and returns how to stop it."""
+    """`steps` steps of `scheme` by `workers` workers, each making the calls its scheme's worker
+    makes; `beside(run_id, worker_ids, addresses of the shards holding its parts)`, when given,
+    starts more load for the run and returns how to stop it."""
     seeded = torch.Generator().manual_seed(1)
     start = {name: torch.randn(SIZE, generator=seeded) for name in ("a", "b", "c", "d")}
-    spec = run_spec("sync", workers=workers, steps=steps, eval_every=0, optimizer="sgd", lr=LR)
+    # One part per tensor (4 KiB), so that the parts spread over the shards.
+    spec = run_spec(scheme, workers=workers, steps=steps, eval_every=0, optimizer="sgd", lr=LR, part_size=4 * SIZE)
     run_id, sessions, clients, placement = join_run(cluster.address, spec, start, workers, transport="grpc")
     with Client(cluster.address) as client:
         addresses = {f"shard{i}": address for i, address in enumerate(client.cluster().shards)}
     addresses["coordinator"] = cluster.address
+    ids = [session.worker_id for session in sessions]
     sampled, stop = Sampled(), threading.Event()
     sampler = threading.Thread(target=_sample, args=(cluster, addresses, sampled, stop), daemon=True)
     pulls, pushes = [], []
     try:
         clients[0].register(start)
         holding = sorted({placement.shards[p.shard] for p in placement.parts})
-        stop_beside = beside(run_id, [s.worker_id for s in sessions], holding) if beside else None
+        stop_beside = beside(run_id, ids, holding) if beside else None
         sampler.start()
 
-        def work(i: int) -> dict[str, torch.Tensor]:
+        def work(i: int) -> Tensors:
             grad = {n: torch.full((SIZE,), float(i % 2)) for n in start}
-            into = {n: torch.zeros(SIZE) for n in start}
+            into = {n: t.clone() for n, t in start.items()}
+            pair = sorted({ids[i], ids[i ^ 1 if i ^ 1 < workers else i]})
             for step in range(steps):
-                began = time.perf_counter()
-                clients[i].pull(into, min_version=step)
-                pulls.append(time.perf_counter() - began)
-                began = time.perf_counter()
-                clients[i].push(grad, step)
-                pushes.append(time.perf_counter() - began)
-            clients[i].pull(into, min_version=steps)
+                last = step == steps - 1
+                pulled, pushed = _step(scheme, clients[i], step, last, grad, into, ids if last else pair)
+                pulls.append(pulled)
+                if pushed:
+                    pushes.append(pushed)
             return into
 
         began = time.perf_counter()
@@ -148,7 +177,7 @@ def sync_load(
         if sampler.is_alive():
             sampler.join(timeout=60)
         leave(sessions, clients)
-    return LoadResult(workers, steps, seconds, pulls, pushes, final, start, sampled)
+    return LoadResult(scheme, workers, steps, seconds, pulls, pushes, final, start, sampled)
 
 
 def expected_final(result: LoadResult) -> dict[str, torch.Tensor]:

@@ -5,8 +5,10 @@ asserted: this machine is shared; docs/performance.md has them from 4 to 256 wor
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from client.local_cluster import LocalCluster
 from gradps.channel import open_channel
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc
-from tests.load_run import expected_final, sync_load
+from tests.load_run import Beside, expected_final, scheme_load
 
 pytestmark = pytest.mark.load
 
@@ -29,7 +31,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def test_a_sync_run_of_256_workers_completes_exactly_with_bounded_threads(cluster):
-    result = sync_load(cluster, workers=256, steps=4)
+    result = scheme_load(cluster, "sync", workers=256, steps=4)
     print(result.line())
     expected = expected_final(result)
     assert all(all(torch.equal(w[n], expected[n]) for n in expected) for w in result.final)
@@ -38,13 +40,24 @@ def test_a_sync_run_of_256_workers_completes_exactly_with_bounded_threads(cluste
     assert max(result.sampled.threads.values()) < MOST_THREADS, result.sampled.threads
 
 
-def _idle_load(address: str) -> Callable[[str, list[int], list[str]], Callable[[], None]]:
+@pytest.mark.parametrize("scheme", ["asgd", "ssp", "pseudosync", "wagma"])
+def test_every_scheme_holds_64_workers_with_bounded_threads(cluster, scheme):
+    result = scheme_load(cluster, scheme, workers=64, steps=6)
+    print(result.line())
+    assert len(result.pulls_s) == 64 * 6  # every worker made every step
+    assert result.sampled.failed_health_checks == 0
+    assert max(result.sampled.threads.values(), default=0) < MOST_THREADS, result.sampled.threads
+
+
+def _idle_load(address: str) -> Beside:
     """1,000 pulls that wait for a step the run never reaches and 1,000 open WatchRun streams, on
     100 connections each (a connection is one caller, limited to half a service's threads)."""
 
     def start(run_id: str, workers: list[int], shards: list[str]) -> Callable[[], None]:
         channels = [open_channel(address) for _ in range(100)]
         channels += [open_channel(shards[i % len(shards)]) for i in range(100)]
+        for channel in channels:
+            grpc.channel_ready_future(channel).result(timeout=60)
         calls = []
         for i, channel in enumerate(channels):
             for _ in range(10):
@@ -57,6 +70,7 @@ def _idle_load(address: str) -> Callable[[str, list[int], list[str]], Callable[[
                         run_id=run_id, worker_id=workers[i % len(workers)], min_version=10**9, wait_ms=600_000
                     )
                     calls.append(pull(request, timeout=600))
+        time.sleep(2)  # the calls reach their services and wait before the run is timed
 
         def stop() -> None:
             held = sum(not call.done() for call in calls)
@@ -72,8 +86,8 @@ def _idle_load(address: str) -> Callable[[str, list[int], list[str]], Callable[[
 
 
 def test_a_run_beside_a_thousand_waiting_pulls_and_watch_streams_completes(cluster):
-    plain = sync_load(cluster, workers=8, steps=20)
-    loaded = sync_load(cluster, workers=8, steps=20, beside=_idle_load(cluster.address))
+    plain = scheme_load(cluster, "sync", workers=8, steps=50)
+    loaded = scheme_load(cluster, "sync", workers=8, steps=50, beside=_idle_load(cluster.address))
     print(f"alone: {plain.line()}\nbeside 1,000 pulls and 1,000 streams: {loaded.line()}")
     print(f"throughput beside them: {loaded.steps_per_s / plain.steps_per_s:.2f} of alone")
     expected = expected_final(loaded)

@@ -72,7 +72,9 @@ class ShardRule(ABC):
         """The live workers changed; finish anything that was waiting for the dead."""
 
     def pull_ready(self, parts: list[Part], request: shard_pb2.PullRequest) -> bool:
-        """May this pull be answered now? (Re-evaluated whenever the run changes.)"""
+        """May this pull be answered now? (Re-evaluated whenever the run changes.) It depends on
+        the request's min_version, clock, gradient and gradient_step only, never on who asks:
+        pulls that ask the same are looked at once (gradps.serving.parked)."""
         if request.gradient:
             raise NotNow(f"scheme {self.run.spec.scheme!r} keeps no reduced gradients")
         return all(p.initialised and p.version >= request.min_version for p in parts)
