@@ -1,8 +1,9 @@
 """How many calls one caller may have in flight at once, checked by a server interceptor beside
-`gradps.auth.access.AuthInterceptor`: no caller holds every thread of a service (a call holds
-one while its handler runs, a streaming call until its stream ends). The limit is the service's
-`--max-calls-per-caller`, and at most half its threads (gradps.channel.make_server): the shards
-serve with 32 threads, the coordinator with 64.
+`gradps.auth.access.AuthInterceptor`: no caller takes every thread of a service's handler pool,
+or fills its memory with waiting calls (a waiting call holds no thread, gradps.serving, but
+counts until it ends). The limit is the service's `--max-calls-per-caller`, and at most half its
+pool's threads (gradps.channel.make_server): the shards serve with 32 threads, the coordinator
+with 64.
 
 A caller is a joined worker (its own token: every connection of worker 7 counts as one caller),
 else one connection (a role token that many processes share, such as every shard's, or no token
