@@ -85,7 +85,7 @@ def _sample(cluster: LocalCluster, addresses: dict[str, str], sampled: Sampled, 
     health = {name: health_pb2_grpc.HealthStub(c) for name, c in channels.items()}
     with open_channel(cluster.address) as channel:
         coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        while not stop.wait(0.5):
+        while True:  # once at the start (a short run may end before a second look), then every 0.5 s
             for name, pid in pids.items():
                 sampled.threads[name] = max(sampled.threads.get(name, 0), _proc_threads(pid))
                 sampled.fds[name] = max(sampled.fds.get(name, 0), len(list(Path(f"/proc/{pid}/fd").iterdir())))
@@ -99,6 +99,8 @@ def _sample(cluster: LocalCluster, addresses: dict[str, str], sampled: Sampled, 
                     sampled.failed_health_checks += answer.status != health_pb2.HealthCheckResponse.SERVING
                 except grpc.RpcError:
                     sampled.failed_health_checks += 1
+            if stop.wait(0.5):
+                break
     for c in channels.values():
         c.close()
 
