@@ -189,26 +189,41 @@ class SyncContext:
 
 
 class _Requests:
-    """The aio call's request stream as a plain iterator, for a handler on the pool. A stream
-    that fails (the call was cancelled) ends: the handler then finds its call inactive."""
+    """The aio call's request stream as a plain iterator, for a handler on the pool, read ahead
+    on the event loop by at most `_HELD` messages: the handler decodes one while the next
+    arrives, and takes each without a hop to the loop. A stream that fails (the call was
+    cancelled) ends: the handler then finds its call inactive."""
 
-    def __init__(self, requests: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> None:
-        self._requests, self._loop = requests, loop
+    def __init__(self, requests: AsyncIterator[Any]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._messages: queue.Queue[Any] = queue.Queue()
+        self._room = asyncio.Semaphore(_HELD)
+        self._reading = self._loop.create_task(self._read(requests))
+
+    async def _read(self, requests: AsyncIterator[Any]) -> None:
+        try:
+            async for message in requests:
+                await self._room.acquire()
+                self._messages.put(message)
+        except Exception:  # the call failed: the stream ends here
+            pass
+        finally:
+            self._messages.put(_DONE)
 
     def __iter__(self) -> _Requests:
         return self
 
     def __next__(self) -> Any:
-        try:
-            message = asyncio.run_coroutine_threadsafe(self._next(), self._loop).result()
-        except (Exception, futures.CancelledError):
-            message = _DONE
+        message = self._messages.get()
         if message is _DONE:
+            self._messages.put(_DONE)  # for a handler that asks again
             raise StopIteration
+        self._loop.call_soon_threadsafe(self._room.release)
         return message
 
-    async def _next(self) -> Any:
-        return await anext(self._requests, _DONE)
+    def close(self) -> None:
+        """On the event loop, when the call ended: a handler still reading sees the stream end."""
+        self._reading.cancel()
 
 
 async def _wait_parked(park: Park, context: grpc.aio.ServicerContext) -> None:
@@ -235,7 +250,7 @@ class _Handoff:
     def __init__(self, loop: asyncio.AbstractEventLoop, sync: SyncContext) -> None:
         self._loop, self._sync = loop, sync
         self._answers: queue.Queue[Any] = queue.Queue(maxsize=_HELD)
-        self._ready = asyncio.Event()
+        self._waiting: asyncio.Future[None] | None = None
         self.outcome: Any = None
 
     def run(self, answers: Iterator[Any]) -> Any:
@@ -252,20 +267,23 @@ class _Handoff:
                 except queue.Full:
                     if not self._sync.is_active():
                         return None
-            self._loop.call_soon_threadsafe(self._ready.set)
+            self._loop.call_soon_threadsafe(self.wake)
+
+    def wake(self, *_: Any) -> None:
+        """On the event loop: an answer was handed over, or the handler's segment ended."""
+        if self._waiting is not None and not self._waiting.done():
+            self._waiting.set_result(None)
 
     async def taken(self, segment: asyncio.Future[Any]) -> list[Any]:
-        """The answers handed over so far, once there are some or `segment` ended."""
+        """The answers handed over so far, once there are some or `segment` ended (which must
+        call `wake` when it does)."""
         while True:
-            self._ready.clear()  # before the look: an answer handed over after it sets it again
             answers = self.drain()
             if answers or segment.done():
                 return answers
-            ready = asyncio.ensure_future(self._ready.wait())
-            try:
-                await asyncio.wait([segment, ready], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                ready.cancel()
+            # An answer handed over from here on wakes this: its wake runs after this awaits.
+            self._waiting = self._loop.create_future()
+            await self._waiting
 
     def drain(self) -> list[Any]:
         answers = []
@@ -302,6 +320,9 @@ class _Call:
         except asyncio.CancelledError:
             self.sync.ended = True  # the handler, still on its thread, sees its call inactive
             raise
+        finally:
+            if isinstance(request, _Requests):
+                request.close()
 
     async def stream(self, behaviour: Callable[..., Iterator[Any]], request: Any) -> AsyncIterator[Any]:
         """The answers of a generator handler. It runs on one pool thread from park to park (a
@@ -331,6 +352,8 @@ class _Call:
             self.sync.ended = True
             raise
         finally:
+            if isinstance(request, _Requests):
+                request.close()
             if not finished:  # cancelled, or the client went away: the handler's clean-up runs now
                 await self._close(handoff, answers)
 
@@ -338,6 +361,7 @@ class _Call:
         """One run of the handler on the pool, to its next park or its end: its answers as they
         come, then its outcome in `handoff.outcome`."""
         self.segment = self.step(handoff.run, answers)
+        self.segment.add_done_callback(handoff.wake)
         while not self.segment.done():
             for answer in await handoff.taken(self.segment):
                 yield answer
@@ -364,7 +388,7 @@ def _bridged(handler: grpc.RpcMethodHandler, pool: futures.Executor, unary_gener
     streams_in = kind.startswith("stream")
 
     def requests(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return _Requests(request, asyncio.get_running_loop()) if streams_in else request
+        return _Requests(request) if streams_in else request
 
     if kind.endswith("stream") and not unary_generator:
 
