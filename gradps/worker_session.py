@@ -107,11 +107,13 @@ class WorkerSession:
 
     def _beat(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):
-            if self._heard(timeout_s=max(1.0, interval_s * 2)):
+            if self._heard(timeout_s=max(1.0, interval_s * 2)) and not self._closed.is_set():
                 try:
                     self.worker_id, _ = self._join(5.0)
                 except ConnectionError:
                     pass
+                except ValueError:  # the session closed its channels meanwhile: nothing to join for
+                    return
 
     def _heard(self, timeout_s: float, wait_for_ready: bool = False) -> bool:
         """One heartbeat, which may say that the current run is over for this worker (stopped, or
