@@ -92,8 +92,9 @@ _DEFAULT_ASSIGNMENT_WAIT_S = 10.0
 _MAX_ASSIGNMENT_WAIT_S = 60.0
 # ... which wakes this often to notice a caller that went away (cancelled, or past its deadline).
 _WAIT_SLICE_S = 0.5
-# An open WatchRun stream looks for news at least this often (a notify wakes it sooner).
-_WATCH_SLICE_S = 1.0
+# An open WatchRun stream is woken by each event (every event notifies); this only bounds how
+# long an idle stream's handler is not run.
+_WATCH_SLICE_S = 30.0
 # Worker ids are reserved in the store this many at a time, so that a restarted coordinator never
 # hands out an id that a worker of the previous one still heartbeats with (it is told to rejoin).
 _WORKER_ID_BLOCK = 1024
@@ -383,7 +384,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return len(record.events) > sent or record.ended
 
         while context.is_active():
-            yield from parked(self._cond, news, _WATCH_SLICE_S)  # holding no thread between events
+            # Holding no thread between events; streams of the run at the same event wait alike.
+            yield from parked(self._cond, news, _WATCH_SLICE_S, key=(record.run_id, sent))
             with self._cond:
                 new = record.events[sent:]
                 finished = record.ended and sent + len(new) == len(record.events)
