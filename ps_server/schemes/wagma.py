@@ -37,7 +37,7 @@ _KEEP_DEPOSITS = 2
 MAX_LAG = 1
 # A live member that has not reached a global round after this long is treated like a late member
 # of a group round (its latest model is used): a global round must never hang the run.
-GLOBAL_WAIT_S = 30.0
+_GLOBAL_WAIT_S = 30.0
 _LOGGER = logging.getLogger("gradps.shard")
 
 RoundKey = tuple[int, frozenset[int]]
@@ -121,7 +121,7 @@ class WagmaRule(ShardRule):
     def push(self, push: Push) -> int:
         raise NotNow("wagma workers exchange models with GroupAverage, not gradients")
 
-    round_wait_s = GLOBAL_WAIT_S
+    round_wait_s = _GLOBAL_WAIT_S
 
     def deposit(
         self, worker_id: int, step: int, members: frozenset[int], is_global: bool, deposit: dict[PartKey, torch.Tensor]
