@@ -154,7 +154,6 @@ class SyncContext:
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
         self._code: grpc.StatusCode | None = None
-        self._details = ""
         # Set by the bridge when the call is cancelled (the client cancelled, went away, or its
         # deadline passed): the aio context says so only once the handler has returned.
         self.ended = False
@@ -166,7 +165,7 @@ class SyncContext:
         return self._context.time_remaining()
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
+        self._code = code
         raise _Aborted(code, details)
 
     def code(self) -> grpc.StatusCode | None:
@@ -175,10 +174,6 @@ class SyncContext:
     def set_code(self, code: grpc.StatusCode) -> None:
         self._code = code
         self._context.set_code(code)
-
-    def set_details(self, details: str) -> None:
-        self._details = details
-        self._context.set_details(details)
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
         self._context.add_done_callback(lambda _: callback())

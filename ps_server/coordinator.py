@@ -68,6 +68,7 @@ from ps_server.coordinator_limits import (
 )
 from ps_server.recovery import Restart, go_back, recover
 from ps_server.run_store import RunStore, StoreError
+from ps_server.waiting import time_left
 
 _LOGGER = logging.getLogger("gradps.coordinator")
 _ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
@@ -601,21 +602,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return w is None or bool(w.run_id)
 
         with self._cond:
-            if request.worker_id in self._dead:  # its heartbeat tells it to join again
-                waiting = None
-            elif request.worker_id not in self._workers:
-                raise NotFound(f"unknown worker {request.worker_id}; join first")
-            else:
+            dead = request.worker_id in self._dead  # its heartbeat tells it to join again
+            if not dead:
+                if request.worker_id not in self._workers:
+                    raise NotFound(f"unknown worker {request.worker_id}; join first")
                 if self._workers[request.worker_id].restored:  # it gave up its run while we were down
                     self._leave_restored_run(self._workers[request.worker_id])
-                waiting = not assigned()
-        if waiting is None:
+        if dead:
             yield cpb.GetAssignmentResponse()
             return
-        if waiting:
-            yield from parked(self._cond, assigned, wait_s)
+        yield from parked(self._cond, assigned, wait_s)
         with self._cond:
-            wait_for_call(self._cond, assigned, max(0.0, end - time.monotonic()), context, _WAIT_SLICE_S)
+            wait_for_call(self._cond, assigned, time_left(end), context, _WAIT_SLICE_S)
             answer = self._assignment(request.worker_id, context)
         yield answer
 

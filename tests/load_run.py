@@ -1,6 +1,6 @@
-"""One sync run driven by many lightweight workers in the test process (each a real session and
-parameter client over real sockets to the real coordinator and shards), with the services'
-threads, file descriptors, health and GetCluster answer times sampled while it runs."""
+"""One run of any scheme driven by many lightweight workers in the test process (each a real
+session and parameter client over real sockets to the real coordinator and shards), with the
+services' threads, file descriptors, health and GetCluster answer times sampled while it runs."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ class LoadResult:
     seconds: float
     pulls_s: list[float]
     pushes_s: list[float]
-    final: list[dict[str, torch.Tensor]]
-    start: dict[str, torch.Tensor]
+    final: list[Tensors]
+    start: Tensors
     sampled: Sampled
 
     @property
@@ -182,12 +182,12 @@ def scheme_load(
     return LoadResult(scheme, workers, steps, seconds, pulls, pushes, final, start, sampled)
 
 
-def expected_final(result: LoadResult) -> dict[str, torch.Tensor]:
-    """The weights after the run: plain SGD on the mean gradient (half the workers push ones,
-    half zeros: exactly 0.5) at every step."""
+def ends_exact(result: LoadResult) -> bool:
+    """Whether every worker ended with the weights of plain SGD on the mean gradient (half the
+    workers push ones, half zeros: exactly 0.5) at every step, bit for bit (a sync run)."""
     mean = sum(i % 2 for i in range(result.workers)) / result.workers
     weights = {n: t.clone() for n, t in result.start.items()}
     for _ in range(result.steps):
         for t in weights.values():
             t.sub_(torch.full_like(t, mean), alpha=LR)
-    return weights
+    return all(all(torch.equal(w[n], weights[n]) for n in weights) for w in result.final)
