@@ -127,21 +127,7 @@ def take(
     versions, optimizer state and schedule position, membership, exactly-once keys, the rule's
     state. The tensors are copied straight into the files' bytes, in memory from `buffers`."""
     began = time.perf_counter()
-    state, rule_state = Saved("run/"), Saved("rule/")
-    opt = run.optimizer
-    parts = []
-    for key, part in run.parts.items():
-        param = opt.params[key]
-        entry = {
-            "part": list(key),
-            "version": part.version,
-            "initialised": part.initialised,
-            "values": state.put(part.values),
-            "updates": opt.updates[key],
-            "optimizer": _optimizer_entry(opt.opt.state.get(param, {}) if opt.opt else {}, state),
-        }
-        parts.append(entry)
-    rule.save(rule_state)
+    parts, state, rule_state = _named(run, rule)
     versions = [p.version for p in run.parts.values()]
     manifest = {
         "format": FORMAT,
@@ -174,15 +160,49 @@ def take(
     return Snapshot(run.run_id, manifest, copies, files, time.perf_counter() - began)
 
 
-def _images(
-    tensors: dict[str, torch.Tensor], buffers: direct_io.Buffers
-) -> tuple[list[FileImage], dict[str, torch.Tensor]]:
-    """`tensors` copied into the safetensors files that hold them (an 8-byte little-endian header
-    size, a JSON header padded with spaces to 8 bytes, the tensors' bytes in a row); the files,
-    and the copies as views of them."""
-    files: list[FileImage] = []
-    copies: dict[str, torch.Tensor] = {}
-    for n, group in enumerate(_files_of(tensors)):
+def file_sizes(run: RunState, rule: ShardRule) -> list[int]:
+    """The bytes of each file a snapshot taken now would write (call with `run.cond` held): the
+    memory to make ready for the next one."""
+    _, state, rule_state = _named(run, rule)
+    return [layout.size for layout in _layouts({**state.tensors, **rule_state.tensors})]
+
+
+def _named(run: RunState, rule: ShardRule) -> tuple[list[dict[str, Any]], Saved, Saved]:
+    """Every part's entry of the manifest, and the tensors it and the rule's state name (not
+    copied yet)."""
+    state, rule_state = Saved("run/"), Saved("rule/")
+    opt = run.optimizer
+    parts = []
+    for key, part in run.parts.items():
+        param = opt.params[key]
+        entry = {
+            "part": list(key),
+            "version": part.version,
+            "initialised": part.initialised,
+            "values": state.put(part.values),
+            "updates": opt.updates[key],
+            "optimizer": _optimizer_entry(opt.opt.state.get(param, {}) if opt.opt else {}, state),
+        }
+        parts.append(entry)
+    rule.save(rule_state)
+    return parts, state, rule_state
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each tensor of one safetensors file goes: after `head` (an 8-byte little-endian
+    header size, a JSON header padded with spaces to 8 bytes), the tensors' bytes in a row."""
+
+    keys: list[str]
+    head: bytes
+    # Each tensor's first byte in the file.
+    starts: dict[str, int]
+    size: int
+
+
+def _layouts(tensors: dict[str, torch.Tensor]) -> list[_Layout]:
+    layouts = []
+    for group in _files_of(tensors):
         # Widest elements first: every tensor starts aligned to its element's size.
         keys = sorted(group, key=lambda k: -tensors[k].element_size())
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -195,15 +215,28 @@ def _images(
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
         head = struct.pack("<Q", len(encoded)) + encoded
-        image = FileImage(f"tensors-{n:05d}.safetensors", buffers.get(len(head) + offset), len(head) + offset)
-        image.buffer[: len(head)] = head
-        for key in keys:
+        starts = {key: len(head) + header[key]["data_offsets"][0] for key in keys}
+        layouts.append(_Layout(keys, head, starts, len(head) + offset))
+    return layouts
+
+
+def _images(
+    tensors: dict[str, torch.Tensor], buffers: direct_io.Buffers
+) -> tuple[list[FileImage], dict[str, torch.Tensor]]:
+    """`tensors` copied into the safetensors files that hold them; the files, and the copies as
+    views of them."""
+    files: list[FileImage] = []
+    copies: dict[str, torch.Tensor] = {}
+    for n, layout in enumerate(_layouts(tensors)):
+        image = FileImage(f"tensors-{n:05d}.safetensors", buffers.get(layout.size), layout.size)
+        image.buffer[: len(layout.head)] = layout.head
+        for key in layout.keys:
             t = tensors[key]
             if not t.numel():
                 copies[key] = torch.empty(t.shape, dtype=t.dtype)
                 continue
-            start = len(head) + header[key]["data_offsets"][0]
-            copies[key] = torch.frombuffer(image.buffer, dtype=t.dtype, count=t.numel(), offset=start).view(t.shape)
+            copies[key] = torch.frombuffer(image.buffer, dtype=t.dtype, count=t.numel(), offset=layout.starts[key])
+            copies[key] = copies[key].view(t.shape)
             copies[key].copy_(t)
         files.append(image)
     return files, copies

@@ -548,7 +548,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def _changed(self, run: RunState, rule: ShardRule) -> None:
         """A push or deposit changed the run (its lock held): a checkpoint starts if one is due."""
         saving = self._saving.get(run.run_id)
-        if saving is not None and saving.due(rule):
+        if saving is None:
+            return
+        saving.prepare(rule)
+        if saving.due(rule):
             saving.start(run, rule)
 
     def _declared(self, got: Received) -> None:

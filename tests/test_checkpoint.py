@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 
 from gradps.placement import place
 from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
-from ps_server import checkpoint
+from ps_server import checkpoint, direct_io
 from ps_server.checkpoint import CheckpointError
 from ps_server.checkpointing import OPEN_RUN, RunCheckpoints, ShardCheckpoints
 from ps_server.run_state import Push, RunState
@@ -441,3 +442,24 @@ def test_each_checkpoint_is_counted_for_prometheus(tmp_path):
     after = [sample("gradps_shard_checkpoint_seconds_count", phase=p) for p in ("snapshot", "write")]
     assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
     assert sample("gradps_shard_checkpoint_bytes_total") - bytes_before == written.nbytes > 0
+
+
+def test_the_first_snapshot_is_copied_into_memory_made_ready_before_it_was_due(tmp_path):
+    request = _request("r1", "asgd", SGD)
+    request.spec.checkpoint_every_seconds = 60
+    run, rule = _opened(request)
+    saving = _saving(tmp_path, request)
+    _step(run, rule, 0)
+    with run.cond:
+        saving.prepare(rule)  # due in a minute: too early
+    assert not any(t.name.startswith("checkpoint-memory-") for t in threading.enumerate())
+    saving.last_time -= 59  # due in a second
+    with run.cond:
+        saving.prepare(rule)
+        sizes = checkpoint.file_sizes(run, rule)
+    until(lambda: not any(t.name.startswith("checkpoint-memory-") for t in threading.enumerate()), 30, "memory ready")
+    reserved = list(saving._buffers._spare)
+    assert [len(b) for b in reserved] == [direct_io.aligned(s) for s in sizes]
+    written = _checkpoint_now(saving, run, rule)
+    assert sum(f.stat().st_size for f in written.path.glob("*.safetensors")) == sum(sizes)
+    assert {id(b) for b in saving._buffers._spare} == {id(b) for b in reserved}  # the snapshot's, given back

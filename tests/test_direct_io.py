@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from ps_server import direct_io
 from ps_server.direct_io import ALIGN, Buffers, write_file
 
 CHUNK = 16 << 20
@@ -51,3 +52,37 @@ def test_buffers_are_page_aligned_and_reused_when_big_enough():
     buffers.give_back([b])
     buffers.clear()
     assert buffers.get(100) is not b
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def test_reserved_buffers_have_their_pages_in_and_are_handed_out_next():
+    size = 64 << 20
+    buffers = Buffers()
+    before = _rss()
+    fresh = buffers.get(size)
+    assert _rss() - before < size // 4  # a fresh buffer: its pages come at the first copy into it
+    buffers.reserve([size])
+    assert _rss() - before >= size * 0.9  # faulted in by reserve, off the snapshot's path
+    reserved = buffers.get(size)
+    assert reserved is not fresh and len(reserved) == size
+    after = _rss()
+    reserved[:] = b"\x01" * size
+    assert _rss() - after < size // 4
+
+
+def test_a_reservation_is_dropped_when_a_snapshot_gave_back_its_own_meanwhile(monkeypatch):
+    buffers = Buffers()
+    own = buffers.get(ALIGN)
+    real = direct_io._mapped
+
+    def mapped_while_a_snapshot_ends(size: int, populate: bool) -> mmap.mmap:
+        buffers.give_back([own])
+        return real(size, populate)
+
+    monkeypatch.setattr(direct_io, "_mapped", mapped_while_a_snapshot_ends)
+    buffers.reserve([ALIGN])
+    assert buffers.get(ALIGN) is own  # the snapshot's memory kept, the late reservation not
