@@ -203,7 +203,6 @@ class RunCheckpoints:
         return sequence
 
     def _write(self, snapshot: checkpoint.Snapshot) -> None:
-        _t0 = time.time()  # TEMPHACK
         _in_background()
         outcome = Outcome(snapshot_seconds=snapshot.seconds)
         try:
@@ -231,7 +230,6 @@ class RunCheckpoints:
             metrics.SHARD_CHECKPOINT_FAILURES.labels(self.request.spec.scheme).inc()
             _LOGGER.warning("%s", outcome.error)
         finally:
-            open('/tmp/ck/cklog.txt','a').write(f'{self.shard_id} {_t0:.3f} {time.time():.3f} lock {snapshot.seconds:.3f}\n')  # TEMPHACK
             self._buffers.give_back([f.buffer for f in snapshot.files])
             with self._cond:
                 self._outcomes[int(snapshot.manifest["sequence"])] = outcome
