@@ -137,14 +137,7 @@ class RunCheckpoints:
     def due(self, rule: ShardRule) -> bool:
         """Whether the run's interval says a checkpoint is due now, and its state is a cut (call
         with `run.cond` held)."""
-        if not rule.cut_ready():
-            return False
-        step = rule.step()
-        if self.every_steps and step // self.every_steps > self.last_step // self.every_steps:
-            return True
-        if self.common_cut:
-            return step >= rule.run.cut_step > self.last_step
-        return bool(self.every_s) and time.monotonic() - self.last_time >= self.every_s
+        return rule.cut_ready() and self._due_within(rule, 0, 0.0)
 
     def prepare(self, rule: ShardRule) -> None:
         """Make the first snapshot's memory ready when one is due soon (call with `run.cond` held,
@@ -152,20 +145,22 @@ class RunCheckpoints:
         under the run's lock: 400 MB held every push and pull of the run for 0.25-1.25 s on a
         busy host. Made ready here on a background thread, the copy takes 20-40 ms; later
         snapshots reuse the memory of the one before."""
-        if self._prepared or not self._soon(rule):
+        if self._prepared or not self._due_within(rule, _PREPARE_AHEAD_STEPS, _PREPARE_AHEAD_S):
             return
         self._prepared = True
         sizes = checkpoint.file_sizes(rule.run, rule)
         name = f"checkpoint-memory-{rule.run.run_id}"
         threading.Thread(target=self._reserve, args=(sizes,), name=name, daemon=True).start()
 
-    def _soon(self, rule: ShardRule) -> bool:
-        step = rule.step()
-        if self.every_steps and (step + _PREPARE_AHEAD_STEPS) // self.every_steps > self.last_step // self.every_steps:
+    def _due_within(self, rule: ShardRule, steps: int, seconds: float) -> bool:
+        """Whether the run's interval says a checkpoint is due within `steps` steps or `seconds`
+        seconds (a common cut: once it is declared, DECLARE_AHEAD steps ahead)."""
+        step = rule.step() + steps
+        if self.every_steps and step // self.every_steps > self.last_step // self.every_steps:
             return True
         if self.common_cut:
-            return rule.run.cut_step > self.last_step  # declared DECLARE_AHEAD steps ahead
-        return bool(self.every_s) and time.monotonic() - self.last_time >= self.every_s - _PREPARE_AHEAD_S
+            return step >= rule.run.cut_step > self.last_step
+        return bool(self.every_s) and time.monotonic() - self.last_time >= self.every_s - seconds
 
     def _reserve(self, sizes: list[int]) -> None:
         _in_background()
@@ -178,7 +173,6 @@ class RunCheckpoints:
         run = rule.run
         if self.common_cut and cut_step > run.cut_step and rule.step() <= cut_step - DECLARE_AHEAD:
             run.cut_step, run.cut_asked = cut_step, False
-            self.prepare(rule)
 
     def start(self, run: RunState, rule: ShardRule) -> int | None:
         """Take a snapshot now (call with `run.cond` held) and write it in the background; its
