@@ -3,7 +3,8 @@
     python -m gpu_worker.step_bench --coordinator ADDR --index I --warmup W --out FILE
 
 It runs as its own process (the client never imports worker code) and writes its result, or its
-error, to FILE as JSON: {"params": N, "records": [{field: seconds}, ...]}, or {"error": "..."} and exit status 1.
+error, to FILE as JSON: {"params": N, "records": [{field: seconds, "began_unix": when}, ...]}, or
+{"error": "..."} and exit status 1.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _train(session: WorkerSession, assignment: Assignment, warmup: int, device: 
         # Calls that end within this step count for it: a background exchange (asgd) ends
         # while the next step computes.
         before = dict(vars(traffic))
-        began = time.perf_counter()
+        began, began_unix = time.perf_counter(), time.time()
         idx = sampler.next_batch()
         x, y = dataset.train_x[idx].to(device), dataset.train_y[idx].to(device)
         loss = compute_loss(model, x, y, dataset.task)
@@ -73,7 +74,8 @@ def _train(session: WorkerSession, assignment: Assignment, warmup: int, device: 
         trainer.step(loss.item(), len(idx))
         synchronize()
         if step >= warmup:
-            records.append(_record(before, dict(vars(traffic)), began, computed, time.perf_counter()))
+            record = _record(before, dict(vars(traffic)), began, computed, time.perf_counter())
+            records.append({**record, "began_unix": began_unix})  # placed beside the checkpoints
     trainer.finish()
     return {"params": sum(p.numel() for p in model.parameters()), "records": records}
 

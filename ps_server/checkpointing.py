@@ -82,6 +82,10 @@ class Listed:
     max_version: int
     # Bytes of its files.
     nbytes: int = 0
+    # When its snapshot was taken (Unix seconds), and how long until its files were on disk
+    # (0: not written by this process).
+    created_unix: float = 0.0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -233,6 +237,8 @@ class RunCheckpoints:
     def _prune(self) -> None:
         for sequence in self.sequences()[: -self.keep]:
             checkpoint.remove_tree(self._path(sequence))
+            with self._cond:
+                self._outcomes.pop(sequence, None)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no checkpoint is being written; False after `timeout_s`."""
@@ -286,11 +292,23 @@ class RunCheckpoints:
         """The complete checkpoints by sequence, oldest first, as their manifests say (not
         verified; one whose manifest does not read is left out)."""
         found = {}
+        with self._cond:
+            outcomes = dict(self._outcomes)
         for sequence in self.sequences():
             try:
                 m = json.loads((self._path(sequence) / checkpoint.MANIFEST).read_bytes())
                 nbytes = sum(int(f["bytes"]) for f in m["files"].values())
-                found[sequence] = Listed(sequence, int(m["step"]), int(m["min_version"]), int(m["max_version"]), nbytes)
+                o = outcomes.get(sequence)
+                seconds = o.snapshot_seconds + o.written.seconds if o is not None and o.written else 0.0
+                found[sequence] = Listed(
+                    sequence,
+                    int(m["step"]),
+                    int(m["min_version"]),
+                    int(m["max_version"]),
+                    nbytes,
+                    float(m.get("created_unix", 0.0)),
+                    seconds,
+                )
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
         return found

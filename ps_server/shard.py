@@ -451,6 +451,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                         min_version=c.min_version,
                         max_version=c.max_version,
                         bytes=c.nbytes,
+                        created_unix=c.created_unix,
+                        seconds=c.seconds,
                     )
                     for c in listed
                 ],

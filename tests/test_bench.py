@@ -172,6 +172,26 @@ def test_step_bench_breaks_a_real_step_down(tmp_path):
     assert 0 <= b["exposed_comm_fraction"] <= 1
 
 
+def test_step_bench_measures_what_checkpoints_cost_in_the_same_run(tmp_path):
+    b = _bench(
+        tmp_path,
+        "step",
+        "--model=mlp",
+        "--dataset=digits",
+        "--shards=2",
+        "--steps=300",
+        "--warmup=1",
+        "--checkpoint-every=0.2",
+        parts=3,  # the cluster, the steps, the checkpoint after them
+    )
+    # The shards' checkpoint windows were found among the steps and the steps beside them
+    # measured against the others: what one costs, and that over the interval.
+    assert b["checkpoints"] >= 1 and b["checkpoints_beside_steps"] >= 1, b
+    assert b["checkpoint_cost"] == pytest.approx(b["checkpoint_lost_s"] / 0.2), b
+    assert abs(b["checkpoint_lost_s"]) < 300 * b["step_mean_s"], b
+    assert b["checkpoint_bytes"] > 0 and _positive(b["checkpoint_write_s"]) and _positive(b["plain_write_s"]), b
+
+
 def test_memory_bench_reports_the_shards_peak_against_what_it_must_hold(tmp_path):
     rows = _bench(
         tmp_path,

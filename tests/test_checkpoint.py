@@ -354,6 +354,27 @@ def test_the_interval_counts_steps_or_seconds(tmp_path):
     assert saving2.due(rule2)
 
 
+def test_the_listing_says_when_each_checkpoint_was_taken_and_how_long_it_took(tmp_path):
+    """What `gradps bench step` places beside the steps: when each snapshot was taken and how long
+    until its files were on disk; after a restart (another process) the time taken is unknown."""
+    request = _request("r1", "asgd", SGD)
+    run, rule = _opened(request)
+    saving = _saving(tmp_path, request, keep=2)
+    began = time.time()
+    for step in range(3):
+        _step(run, rule, step)
+        with run.cond:
+            saving.start(run, rule)
+        saving.wait_idle(30)
+    ended = time.time()
+    listed = list(saving.listing().values())
+    assert [c.sequence for c in listed] == [2, 3]  # the oldest pruned
+    assert all(began <= c.created_unix <= ended and 0 < c.seconds <= ended - began for c in listed), listed
+    assert listed[0].created_unix < listed[1].created_unix
+    again = [(c.created_unix, c.seconds) for c in _saving(tmp_path, request, keep=2).listing().values()]
+    assert again == [(c.created_unix, 0.0) for c in listed]
+
+
 def test_a_common_cut_run_checkpoints_at_the_cut_rank_0_declares_not_by_the_shards_clock(tmp_path):
     """sync and pseudosync: shards that each kept time would checkpoint different steps, and a run
     could go back to none. The declared cut is taken while step cut - 3 is not complete here, and

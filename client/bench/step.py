@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from client.bench.checkpoint_cost import CheckpointCost, CheckpointTimes, checkpoint_cost
 from client.bench.display import ProgressLine, table_console
 from client.bench.options import json_option, write_json
 from client.local_cluster import LocalCluster
@@ -89,6 +91,12 @@ class StepBreakdown:
     # Shards' checkpoints every this many seconds (0: none), and how many were written in the run.
     checkpoint_every_s: float = 0.0
     checkpoints: int = 0
+    # Same run (client/bench/checkpoint_cost.py): seconds a worker's steps lost to each checkpoint
+    # (of every shard), that over the interval (the fraction of the run's time checkpoints take),
+    # and the checkpoints per shard that fell within the measured steps.
+    checkpoint_lost_s: float = 0.0
+    checkpoint_cost: float = 0.0
+    checkpoints_beside_steps: float = 0.0
     # One checkpoint of every shard after the run (CheckpointRun, one shard after another): its
     # bytes and write time (all shards), the longest lock hold for a snapshot, and a plain
     # sequential write of as many bytes (one file, fsync) in the same folder.
@@ -116,10 +124,14 @@ def _failure(index: int, p: subprocess.Popen, out: Path) -> str:
     return f"step bench worker {index}: {error or f'exited with status {p.returncode}'}"
 
 
-def _collect(processes: list[subprocess.Popen], outs: list[Path], timeout_s: float) -> list[tuple[int, list[dict]]]:
-    """Each worker's (params, per-step records) once all exited; RuntimeError at the first failure."""
+def _collect(
+    processes: list[subprocess.Popen], outs: list[Path], timeout_s: float, waiting: Callable[[], None] = lambda: None
+) -> list[tuple[int, list[dict]]]:
+    """Each worker's (params, per-step records) once all exited, calling `waiting` meanwhile;
+    RuntimeError at the first failure."""
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in processes):
+        waiting()
         for index, p in enumerate(processes):
             if p.poll() not in (None, 0):
                 raise RuntimeError(_failure(index, p, outs[index]))
@@ -192,6 +204,7 @@ def measure_step(
         checkpoint_every_seconds=checkpoint_every_s,
     )
     saved: dict[str, float] = {}
+    cost: CheckpointCost | None = None
     parts = 3 if checkpoint_every_s else 2  # the cluster, the steps, the checkpoint after them
     with (
         ProgressLine(console, parts, f"starting {shards} shard{'s' * (shards > 1)} on {device}") as progress,
@@ -212,7 +225,16 @@ def measure_step(
                 run_id = client.submit(spec)
                 progress.done()
                 progress.measuring(f"{warmup + steps} steps of {model} on {dataset}, {scheme}, {transport}")
-                done = _collect(processes, outs, timeout_s=3600)
+                if checkpoint_every_s:
+                    times = CheckpointTimes(client.cluster().shards, run_id, checkpoint_every_s)
+                    try:
+                        done = _collect(processes, outs, timeout_s=3600, waiting=times.poll)
+                        times.poll(now=True)
+                    finally:
+                        times.close()
+                    cost = checkpoint_cost([records for _, records in done], times.windows(), checkpoint_every_s)
+                else:
+                    done = _collect(processes, outs, timeout_s=3600)
                 progress.done()
                 if checkpoint_every_s:
                     progress.measuring("a checkpoint of every shard, and a plain write of as many bytes")
@@ -242,6 +264,9 @@ def measure_step(
         steps=steps,
         checkpoint_every_s=checkpoint_every_s,
         step_mean_s=step_mean,
+        checkpoint_lost_s=cost.lost_s if cost else 0.0,
+        checkpoint_cost=cost.fraction if cost else 0.0,
+        checkpoints_beside_steps=cost.checkpoints if cost else 0.0,
         **mean,
         **saved,  # type: ignore[arg-type]
     )
@@ -278,6 +303,14 @@ def print_breakdown(b: StepBreakdown, console: Console) -> None:
             f"{mb:.0f} MB, lock held {b.checkpoint_snapshot_s * 1e3:.0f} ms, written in {b.checkpoint_write_s:.2f} s "
             f"({mb / b.checkpoint_write_s:.0f} MB/s); a plain sequential write of as many bytes: "
             f"{b.plain_write_s:.2f} s ({mb / b.plain_write_s:.0f} MB/s)"
+        )
+    if b.checkpoint_every_s:
+        console.print(
+            f"same run: a checkpoint of every shard ({b.checkpoints_beside_steps:g} among the measured steps) cost "
+            f"each worker {b.checkpoint_lost_s * 1e3:.0f} ms beside the steps that met none: {b.checkpoint_cost:.1%} "
+            f"of the run's time at one every {b.checkpoint_every_s:g} s"
+            if b.checkpoints_beside_steps
+            else "same run: no checkpoint fell within the measured steps (more --steps or a shorter --checkpoint-every)"
         )
 
 

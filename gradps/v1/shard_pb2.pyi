@@ -363,18 +363,22 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("sequence", "step", "min_version", "max_version", "bytes")
+    __slots__ = ("sequence", "step", "min_version", "max_version", "bytes", "created_unix", "seconds")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     step: int
     min_version: int
     max_version: int
     bytes: int
-    def __init__(self, sequence: _Optional[int] = ..., step: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    created_unix: float
+    seconds: float
+    def __init__(self, sequence: _Optional[int] = ..., step: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints", "restored", "step", "restore_epoch")
