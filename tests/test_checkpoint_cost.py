@@ -35,7 +35,10 @@ def test_each_shard_checkpoint_counts_once_and_windows_outside_the_steps_not_at_
     cost = checkpoint_cost([slowed], windows, every_s=10)
     assert cost is not None
     assert cost.checkpoints == 2  # per shard, not four
-    assert cost.lost_s == pytest.approx(2.0 / 2)  # each slow step lost 1 s; the step after each lost 0
+    # Only the slow steps meet a checkpoint (the steps after them begin over a median step after its
+    # end): 1 s lost at each of the two checkpoints.
+    assert cost.lost_s == pytest.approx(2.0 / 2)
+    assert cost.steps_beside == 2
     assert cost.fraction == pytest.approx(0.1)
 
 

@@ -102,8 +102,9 @@ def checkpoint_cost(
     lost: list[float] = []
     beside = 0
     for records in workers:
-        near = [r["step_s"] for r in records if _meets(r, windows, after)]
-        clear = [r["step_s"] for r in records if not _meets(r, windows, after)]
+        met = [_meets(r, windows, after) for r in records]
+        near = [r["step_s"] for r, m in zip(records, met, strict=True) if m]
+        clear = [r["step_s"] for r, m in zip(records, met, strict=True) if not m]
         if not clear:
             return None
         usual = statistics.median(clear)
@@ -114,6 +115,7 @@ def checkpoint_cost(
 
 
 def _meets(record: dict, windows: Sequence[Window], after: float) -> bool:
+    """Whether the step of `record` overlaps a window or ends within `after` seconds of one."""
     began = record["began_unix"]
     ended = began + record["step_s"]
     return any(began < e + after and ended > s for s, e in windows)
