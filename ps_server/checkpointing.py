@@ -83,7 +83,7 @@ class Listed:
     # Bytes of its files.
     nbytes: int = 0
     # When its snapshot was taken (Unix seconds), and how long until its files were on disk
-    # (0: not written by this process).
+    # (0: unknown here: written by another process, or its outcome taken by `outcome`).
     created_unix: float = 0.0
     seconds: float = 0.0
 
@@ -230,15 +230,17 @@ class RunCheckpoints:
         finally:
             self._buffers.give_back([f.buffer for f in snapshot.files])
             with self._cond:
-                self._outcomes[int(snapshot.manifest["sequence"])] = outcome
+                sequence = int(snapshot.manifest["sequence"])
+                self._outcomes[sequence] = outcome
+                # Those of the checkpoints kept (and one more), written or failed: not forever.
+                for old in [s for s in self._outcomes if s < sequence - self.keep]:
+                    del self._outcomes[old]
                 self._writing = False
                 self._cond.notify_all()
 
     def _prune(self) -> None:
         for sequence in self.sequences()[: -self.keep]:
             checkpoint.remove_tree(self._path(sequence))
-            with self._cond:
-                self._outcomes.pop(sequence, None)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no checkpoint is being written; False after `timeout_s`."""

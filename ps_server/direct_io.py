@@ -11,6 +11,7 @@ the page cache.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -18,7 +19,7 @@ import hashlib
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # O_DIRECT wants the memory address, the file offset and the length aligned to the device's
@@ -99,13 +100,9 @@ def _fault_in(buffer: mmap.mmap) -> None:
     (which lets go of the GIL). Not MAP_POPULATE: Python's mmap holds the GIL while the kernel
     faults in the whole mapping (0.13 s for 400 MB on an idle host, over a second on a busy one),
     so every push and pull the shard serves would stop for as long; `mmap.madvise` holds it too."""
-    view = (ctypes.c_char * len(buffer)).from_buffer(buffer)
-    try:
-        base = ctypes.addressof(view)
+    with _address(buffer) as base:
         for start in range(0, len(buffer), _CHUNK):
             ctypes.memset(base + start, 0, min(_CHUNK, len(buffer) - start))
-    finally:
-        del view  # the buffer can be closed again
 
 
 def _free(buffer: mmap.mmap) -> None:
@@ -115,11 +112,18 @@ def _free(buffer: mmap.mmap) -> None:
     advice = getattr(mmap, "MADV_FREE", None)
     if _LIBC is None or advice is None:
         return
+    with _address(buffer) as base:
+        _LIBC.madvise(ctypes.c_void_p(base), ctypes.c_size_t(len(buffer)), advice)
+
+
+@contextlib.contextmanager
+def _address(buffer: mmap.mmap) -> Iterator[int]:
+    """The address of `buffer`'s first byte, for C calls; the buffer can be closed again after."""
     view = (ctypes.c_char * len(buffer)).from_buffer(buffer)
     try:
-        _LIBC.madvise(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(len(buffer)), advice)
+        yield ctypes.addressof(view)
     finally:
-        del view  # the buffer can be closed again
+        del view
 
 
 def write_file(path: Path, data: memoryview, pause_at: int = -1, pause: Callable[[], None] | None = None) -> str:
