@@ -297,7 +297,7 @@ def stop_on_signal() -> threading.Event:
 
     def watch() -> None:
         while not received:
-            time.sleep(0.2)
+            time.sleep(0.05)
         stop.set()
 
     threading.Thread(target=watch, name="signals", daemon=True).start()

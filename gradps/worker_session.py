@@ -20,6 +20,8 @@ _LOGGER = logging.getLogger("gradps.worker")
 # close(): how long LeaveWorker may take (on a busy host the answer can take seconds); a coordinator
 # that is gone refuses at once, and its heartbeat timeout covers one that hangs.
 _LEAVE_TIMEOUT_S = 10.0
+# How often a long-polled assignment looks whether the service is stopping.
+_STOP_LOOK_S = 0.05
 
 
 class RunAbandoned(Exception):
@@ -161,10 +163,16 @@ class WorkerSession:
         return self._stop_run.is_set() or self._shutdown.is_set()
 
     def wait_for_assignment(self, wait_s: float = 10.0) -> Assignment | None:
-        """Long-poll the coordinator; None when nothing was assigned within `wait_s`."""
-        r = self._stub.GetAssignment(
+        """Long-poll the coordinator; None when nothing was assigned within `wait_s`, or once the
+        service is stopping (the poll is cancelled then: a stop does not wait it out)."""
+        call = self._stub.GetAssignment.future(
             cpb.GetAssignmentRequest(worker_id=self.worker_id, wait_ms=int(wait_s * 1000)), timeout=wait_s + 10
         )
+        while not call.done():
+            if self._shutdown.wait(_STOP_LOOK_S) and not call.done():
+                call.cancel()
+                return None
+        r = call.result()
         if not r.run_id:
             return None
         with self._part_lock:

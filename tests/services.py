@@ -4,7 +4,9 @@ for tests that kill, pause or restart the services themselves."""
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +20,31 @@ def until(condition: Callable[[], object], timeout_s: float, what: str, poll_s: 
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(poll_s)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports that can be bound now, for services told their port in advance. They
+    lie below the kernel's ephemeral range: one from inside it could be handed to any process's
+    connection or `port 0` bind between this look and the service's own bind."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    candidates = random.sample(range(10_000, low), min(10 * n + 100, low - 10_000))
+    sockets: list[socket.socket] = []
+    try:
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("", port))  # every address: a service may bind any of them
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)  # held until all are found, so that they differ
+            if len(sockets) == n:
+                return [s.getsockname()[1] for s in sockets]
+        raise RuntimeError(f"no {n} free ports below {low}")
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class Services:

@@ -22,7 +22,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from tests.images import (
     read_image,
     tool_missing,
 )
+from tests.services import free_ports
 
 try:
     import kubernetes_validate
@@ -542,17 +542,6 @@ def _pods(objects: list[dict]) -> list[Pod]:
     return pods
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:  # all open at once, so the ports differ
-            s.bind((_LOCALHOST, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 @dataclass
 class Network:
     """Cluster DNS and Services on 127.0.0.1. In the cluster each pod has its own IP and the shards
@@ -564,7 +553,7 @@ class Network:
 
     def __post_init__(self):
         wanted = [(pod.name, port) for pod in self.pods for port in pod.ports]
-        self.local = dict(zip(wanted, _free_ports(len(wanted)), strict=True))
+        self.local = dict(zip(wanted, free_ports(len(wanted)), strict=True))
 
     def _selected(self, service: dict) -> list[Pod]:
         selector = service["spec"]["selector"].items()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,12 @@ from client.report import follow
 from client.sdk import Client, GradpsError
 from gradps.metrics import RUN_STATES, series_names
 from gradps.v1 import run_pb2
+from tests.services import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "docker" / "grafana" / "gradps-dashboard.json"
 _LOCALHOST = "127.0.0.1"
 _SHARDS, _WORKERS, _STEPS = 2, 2, 30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((_LOCALHOST, 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout_s: float = 5.0) -> bytes:
@@ -92,7 +86,7 @@ def _prometheus(binary: str, folder: Path, targets: dict[str, str]) -> Iterator[
     folder.mkdir()
     config = folder / "prometheus.yml"
     config.write_text(yaml.safe_dump(_config(targets)))
-    url = f"http://{_LOCALHOST}:{_free_port()}"
+    url = f"http://{_LOCALHOST}:{free_ports(1)[0]}"
     argv = [
         binary,
         f"--config.file={config}",
