@@ -119,6 +119,7 @@ def test_backup_workers_must_be_below_workers() -> None:
             validate(spec)
 
 
+@pytest.mark.slow
 def test_a_run_with_a_straggler_and_a_backup_worker_finishes(tmp_path: Path) -> None:
     args = ["train", "--local", "--scheme", "sync", "--workers", "3", "--backup-workers", "1"]
     args += ["--straggler", "2:3", "--steps", "40", "--eval-every", "0", "--no-progress", "--out", str(tmp_path)]

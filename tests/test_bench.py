@@ -76,6 +76,7 @@ def test_transport_bench_writes_complete_rows(tmp_path):
             assert _positive(row[field]), (field, row)
 
 
+@pytest.mark.slow
 def test_transport_bench_places_each_shard_beside_a_worker(tmp_path):
     # Each bench worker checks that it shares memory with its own shard and streams to the other
     # (it fails the bench otherwise).
@@ -172,6 +173,7 @@ def test_step_bench_breaks_a_real_step_down(tmp_path):
     assert 0 <= b["exposed_comm_fraction"] <= 1
 
 
+@pytest.mark.slow
 def test_step_bench_measures_what_checkpoints_cost_in_the_same_run(tmp_path):
     b = _bench(
         tmp_path,
@@ -192,6 +194,7 @@ def test_step_bench_measures_what_checkpoints_cost_in_the_same_run(tmp_path):
     assert b["checkpoint_bytes"] > 0 and _positive(b["checkpoint_write_s"]) and _positive(b["plain_write_s"]), b
 
 
+@pytest.mark.slow
 def test_memory_bench_reports_the_shards_peak_against_what_it_must_hold(tmp_path):
     rows = _bench(
         tmp_path,
@@ -230,6 +233,7 @@ def test_bad_bench_options_are_one_line_usage_errors():
         assert "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_the_transport_bench_measures_the_cost_of_metrics_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     args = ["bench", "transport", "--sizes", "1", "--shards", "1", "--workers", "1", "--transport", "shm"]

@@ -114,6 +114,7 @@ def _assignment(session: WorkerSession) -> str:
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_killed_coordinator_takes_its_runs_back_from_its_state_dir(cluster: Services) -> None:
     address = cluster.address
     until(lambda: _call(address, "GetCluster", cpb.GetClusterRequest()).shards, 20, "no shard registered")

@@ -64,6 +64,7 @@ def test_compare_adds_sync_with_backup_workers_under_a_straggler_or_when_asked()
     assert entries(straggler=True, schemes=("asgd",)) == [("asgd", 0)]
 
 
+@pytest.mark.slow
 def test_compare_with_the_ddp_baseline_writes_both_rows_and_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     args = ["compare", "--baseline", "ddp", "--schemes", "sync", "--workers", "2", "--shards", "1"]

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_own_training_loop_example_trains(tmp_path):
     # As its docstring says: `gradps launch` starts a local cluster and the script as its 2 workers.
     out = tmp_path / "run"

@@ -110,6 +110,7 @@ def test_a_run_whose_shard_never_comes_back_fails_naming_it_and_frees_its_worker
         assert time.monotonic() - submitted < MARGIN_S, time.monotonic() - submitted
 
 
+@pytest.mark.slow
 def test_after_a_coordinator_restart_a_shard_that_never_heartbeats_fails_its_run(tmp_path, monkeypatch):
     """The coordinator and shard 1 killed; the coordinator alone comes back, with a shorter
     return timeout than the first one had: the run fails that long after the restart, whatever
@@ -148,6 +149,7 @@ def test_after_a_coordinator_restart_a_shard_that_never_heartbeats_fails_its_run
             _assert_released(client, run_id)
 
 
+@pytest.mark.slow
 def test_a_shard_restarted_within_the_return_timeout_keeps_its_run_going(tmp_path, monkeypatch):
     """A bound of a few heartbeat timeouts is enough for a shard's restart and RestoreRun."""
     with _cluster(tmp_path, monkeypatch, 15.0) as cluster, Client(cluster.address) as client:

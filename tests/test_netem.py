@@ -182,6 +182,7 @@ def _gradps(*args: str, logs: Path | None = None, timeout_s: float = 300) -> sub
 
 
 @needs_netem
+@pytest.mark.slow
 def test_bench_transport_on_emulated_links_rows_plot_and_the_wire_floor(tmp_path):
     out = tmp_path / "links.json"
     done = _gradps(
@@ -209,6 +210,7 @@ def test_bench_transport_on_emulated_links_rows_plot_and_the_wire_floor(tmp_path
 
 
 @needs_netem
+@pytest.mark.slow
 def test_compare_on_emulated_links_places_the_cluster_and_the_ddp_ranks_on_hosts(tmp_path):
     out = tmp_path / "cmp"
     done = _gradps(
@@ -225,6 +227,7 @@ def test_compare_on_emulated_links_places_the_cluster_and_the_ddp_ranks_on_hosts
     assert not [n for n in os.listdir("/run/netns") if n.startswith("gradps-")]
 
 
+@pytest.mark.slow
 def test_without_root_one_line_says_so_and_the_bench_runs_on_loopback(tmp_path, monkeypatch):
     import gradps.netem
 

@@ -134,6 +134,7 @@ def _dashboard_queries() -> list[str]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_prometheus_scrapes_a_run_and_agrees_with_its_summary(tmp_path: Path):
     binary = shutil.which("prometheus")
     if binary is None:

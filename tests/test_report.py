@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from client.local_cluster import LocalCluster
@@ -82,6 +83,7 @@ def test_the_summary_reads_in_human_units_and_a_failed_run_gives_its_reason() ->
     assert "samples/s" not in text and "traffic" not in text and "0.0000" not in text
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_mid_run_is_announced(tmp_path: Path) -> None:
     out = io.StringIO()
     console = Console(file=out, width=80)

@@ -56,6 +56,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["sync", "wagma"])
 def test_a_run_scaled_down_and_up_again_ends_with_every_rank(cluster, scheme, tmp_path: Path):
     steps = 3000

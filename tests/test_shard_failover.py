@@ -111,7 +111,11 @@ _EVERY = {
 }
 
 
-@pytest.mark.parametrize("every", _EVERY.values(), ids=_EVERY.keys())
+# One way to checkpoint in the default selection; the others with the slow tests.
+@pytest.mark.parametrize(
+    "every",
+    [pytest.param(v, id=k, marks=() if k == "every-20-steps" else pytest.mark.slow) for k, v in _EVERY.items()],
+)
 def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_without(cluster, every, tmp_path):
     """Every shard goes back to the newest step checkpointed on all of them and the workers redo
     the steps after it on the same batches: the same weights, bit for bit, as a run left alone
@@ -142,6 +146,7 @@ def test_a_sync_run_with_a_shard_killed_and_restarted_ends_bit_identical_to_one_
     assert "every shard went back to step" in _log(cluster)
 
 
+@pytest.mark.slow
 def test_a_pseudosync_run_checkpointed_by_seconds_goes_back_to_a_cut_with_its_replica(cluster, tmp_path):
     """rank 0 declares the cuts by its clock and hands its replica in at each: a shard restart
     finds a step with a checkpoint on both shards, and the run completes."""
@@ -190,6 +195,7 @@ def test_each_scheme_survives_a_shard_kill_at_a_random_moment_and_reaches_its_ac
         assert status.rolled_back_steps <= 2 * CHECKPOINT_EVERY
 
 
+@pytest.mark.slow
 def test_a_cluster_stopped_mid_run_and_started_again_resumes_the_run_to_the_same_weights(tmp_path):
     """The whole local cluster stops (SIGTERM, workers first) in the middle of a sync run; a new
     one on the same state dir takes the run back, failed, and `gradps train --resume` takes it up
@@ -228,7 +234,7 @@ def test_a_cluster_stopped_mid_run_and_started_again_resumes_the_run_to_the_same
     assert "resumed at step" in (tmp_path / "logs-2" / "coordinator.log").read_text()
 
 
-@pytest.mark.parametrize("scheme", ["pseudosync", "wagma"])
+@pytest.mark.parametrize("scheme", [pytest.param("pseudosync", marks=pytest.mark.slow), "wagma"])
 def test_a_stopped_run_whose_model_is_on_its_workers_resumes(cluster, scheme, tmp_path):
     """pseudosync and wagma keep their models on their workers. pseudosync's rank 0 hands its
     replica in at every checkpoint step: a stopped run is taken up by new workers from the newest
@@ -272,8 +278,8 @@ def test_a_run_that_cannot_resume_says_why_in_one_line(cluster, tmp_path):
     "scheme",
     [
         "sync",
-        "wagma",
-        "pseudosync",
+        pytest.param("wagma", marks=pytest.mark.slow),
+        pytest.param("pseudosync", marks=pytest.mark.slow),
         pytest.param("asgd", marks=pytest.mark.slow),
         pytest.param("ssp", marks=pytest.mark.slow),
     ],
@@ -311,7 +317,9 @@ def test_a_new_worker_takes_the_rank_of_a_killed_one_and_the_run_ends_with_every
         assert status.rolled_back_steps > 0 and len({m.weights_digest for m in done}) == 1, done
 
 
-@pytest.mark.parametrize("scheme", ["asgd", "sync", "pseudosync"])
+@pytest.mark.parametrize(
+    "scheme", [pytest.param("asgd", marks=pytest.mark.slow), "sync", pytest.param("pseudosync", marks=pytest.mark.slow)]
+)
 def test_gradps_checkpoint_has_every_shard_write_one_now(cluster, scheme, tmp_path):
     """asgd's shards each write one now; sync's and pseudosync's write the next cut, which rank 0
     declares when asked: the same step on both (pseudosync's with rank 0's replica handed in)."""
@@ -333,6 +341,7 @@ def test_gradps_checkpoint_has_every_shard_write_one_now(cluster, scheme, tmp_pa
     assert folders == ["ckpt-00000001", "ckpt-00000001"], folders
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["coordinator", "shard"])
 def test_a_sync_run_goes_on_when_its_coordinator_and_a_shard_are_killed_together(cluster, first, tmp_path):
     """The coordinator and shard 1 killed with SIGKILL at once and started again (either first):

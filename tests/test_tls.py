@@ -434,6 +434,7 @@ def test_a_service_takes_its_tls_and_mtls_from_the_environment(cert_dir: Path, o
         process.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_the_transport_bench_measures_each_configuration_with_and_without_tls(tmp_path: Path):
     out = tmp_path / "rows.json"
     args = ["bench", "transport", "--sizes", "1", "--shards", "1", "--workers", "1", "--transport", "stream"]
