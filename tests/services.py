@@ -1,5 +1,5 @@
 """A coordinator (restartable on its port) and shards as real processes, each logging to a folder:
-for tests that kill, pause or restart the services themselves."""
+for tests that kill, pause or restart the services themselves; and ports to start services on."""
 
 from __future__ import annotations
 
