@@ -20,6 +20,7 @@ from client.cli import cli
 from client.local_cluster import LocalCluster
 from client.sdk import Client
 from gradps.v1 import coordinator_pb2 as cpb
+from tests.services import free_ports
 
 
 def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
@@ -208,9 +209,7 @@ def test_a_worker_waiting_to_join_stops_on_sigterm() -> None:
 
 
 def test_up_serves_on_its_port_and_says_how_the_other_commands_find_it(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a port free now, as a user would pick one
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]  # a port free now, as a user would pick one
     args = ["up", "--port", str(port), "--shards", "1", "--workers", "0", "--state-dir", str(tmp_path / "state")]
     env = {k: v for k, v in os.environ.items() if k != "GRADPS_COORDINATOR"}
     up = subprocess.Popen(
