@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import math
@@ -288,16 +289,22 @@ def wait_for_call(
 def stop_on_signal() -> threading.Event:
     """An event set once the process gets SIGTERM or SIGINT (call from the main thread).
 
-    The handler only records the signal and a thread of its own sets the event: a handler that
-    set it itself takes the event's lock, and deadlocks when the signal lands while the main
-    thread holds that lock (the service then never stops)."""
-    stop, received = threading.Event(), []
+    The handler only writes a byte to a pipe, and a thread of its own, blocked reading the pipe,
+    sets the event: a handler that set it itself takes the event's lock, and deadlocks when the
+    signal lands while the main thread holds that lock (the service then never stops)."""
+    stop = threading.Event()
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+
+    def record(signum: int, _frame: object) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: a byte is already there to wake it
+            os.write(wake, b"\0")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: received.append(signum))
+        signal.signal(sig, record)
 
     def watch() -> None:
-        while not received:
-            time.sleep(0.05)
+        os.read(woken, 1)
         stop.set()
 
     threading.Thread(target=watch, name="signals", daemon=True).start()
