@@ -91,9 +91,7 @@ class TcpReference:
             self._echo.kill()
 
 
-def _gloo_rank(
-    rank: int, world: int, master: str, port: int, commands: mp.Queue, results: mp.Queue, host: Host | None
-) -> None:
+def _gloo_rank(rank: int, world: int, master: str, commands: mp.Queue, results: mp.Queue, host: Host | None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if host:
         host.enter()
@@ -102,7 +100,14 @@ def _gloo_rank(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
+    # Rank 0 serves the rendezvous on a port the kernel gives it, and the others learn it: a port
+    # chosen beforehand could be taken by the time it binds.
+    if rank == 0:
+        store = dist.TCPStore(master, 0, world, is_master=True, wait_for_workers=False)
+        results.put(("port", rank, store.port))
+    else:
+        store = dist.TCPStore(master, commands.get(), world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     results.put(("ready", rank, None))
     tensors: dict[int, torch.Tensor] = {}
     try:
@@ -122,15 +127,9 @@ def _gloo_rank(
         dist.destroy_process_group()
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 class GlooReference:
     """`world` processes in a gloo process group, idle between rounds; rank r on `hosts[r]` where
-    given (rank 0's host is this process's, which chooses the rendezvous port)."""
+    given (rank 0 serves the rendezvous)."""
 
     def __init__(self, world: int, timeout_s: float = 300.0, hosts: list[Host] | None = None) -> None:
         ctx = mp.get_context("spawn")
@@ -139,23 +138,26 @@ class GlooReference:
         self._results = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(world)]
         master = hosts[0].address if hosts else _LOOPBACK
-        port = _free_port(master)
         self._ranks = [
             ctx.Process(
                 target=_gloo_rank,
-                args=(r, world, master, port, self._commands[r], self._results, hosts[r] if hosts else None),
+                args=(r, world, master, self._commands[r], self._results, hosts[r] if hosts else None),
                 daemon=True,
             )
             for r in range(world)
         ]
         for p in self._ranks:
             p.start()
+        (port,) = self._collect("port", 1)
+        for q in self._commands[1:]:
+            q.put(port)
         self._collect("ready")
 
-    def _collect(self, kind: str) -> list[Any]:
+    def _collect(self, kind: str, n: int | None = None) -> list[Any]:
+        """The values of `n` (default: every rank's) results of `kind`."""
         values: list[Any] = []
         deadline = time.monotonic() + self.timeout_s
-        while len(values) < self.world:
+        while len(values) < (self.world if n is None else n):
             try:
                 what, _, value = self._results.get(timeout=1.0)
             except queue.Empty:
