@@ -65,6 +65,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
         assert not (Path(cwd) / "runs").exists()
 
 
+@pytest.mark.slow
 def test_an_explicit_local_wins_over_a_coordinator_from_the_environment(tmp_path: Path) -> None:
     both = CliRunner().invoke(cli, ["train", "--local", "--coordinator", "127.0.0.1:1"])
     assert both.exit_code == 2 and "give --local or --coordinator HOST:PORT, not both" in both.output
@@ -279,6 +280,7 @@ def test_train_help_is_sectioned_common_options_first_without_wire_bounds() -> N
     assert "18446744073709551615" not in text and "4294967295" not in text and "RANGE" not in text
 
 
+@pytest.mark.slow
 def test_a_local_run_keeps_the_services_logs_in_its_own_folder(tmp_path: Path) -> None:
     args = ["train", "--local", "--steps", "5", "--eval-every", "0", "--no-progress"]
     env = {k: v for k, v in os.environ.items() if k != "GRADPS_COORDINATOR"}

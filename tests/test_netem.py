@@ -114,6 +114,7 @@ def _observe(network: EmulatedNetwork) -> dict:
     return {"listening": seen, "segments": segments, "round_s": seconds}
 
 
+@pytest.mark.slow
 @needs_netem
 def test_four_emulated_hosts_bind_their_addresses_share_memory_only_within_a_host_and_cap_links():
     network = EmulatedNetwork([RATE] * 4).start()

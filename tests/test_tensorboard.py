@@ -14,6 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
+@pytest.mark.slow
 def test_a_local_run_writes_its_curves_for_tensorboard(tmp_path: Path) -> None:
     out, board = tmp_path / "run", tmp_path / "tb"
     args = ["train", "--local", "--scheme", "asgd", "--workers", "2", "--steps", "60", "--eval-every", "20"]

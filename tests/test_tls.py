@@ -520,6 +520,7 @@ def test_a_clusters_own_certificates_are_kept_while_they_serve_and_made_anew_whe
     TlsFiles(folder / "client.pem", folder / "client-key.pem", folder / "ca.pem").check()
 
 
+@pytest.mark.slow
 def test_train_local_tls_completes_on_a_cluster_that_refuses_plaintext(tmp_path: Path):
     out, env = tmp_path / "run", _cli_env(tmp_path)
     train = subprocess.Popen(
@@ -550,6 +551,7 @@ def test_train_local_tls_completes_on_a_cluster_that_refuses_plaintext(tmp_path:
     assert not list((tmp_path / "tmp").glob("gradps-*")), "the certificates outlived the cluster"
 
 
+@pytest.mark.slow
 def test_launch_tls_gives_the_scripts_the_clusters_certificates(tmp_path: Path):
     script = tmp_path / "tiny.py"
     script.write_text(

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from client.sdk import Client
 from gpu_worker.service import _failure
@@ -71,6 +72,7 @@ def test_a_worker_waits_out_a_coordinator_restart_and_stops_cleanly(tmp_path: Pa
                 process.wait()
 
 
+@pytest.mark.slow
 def test_each_worker_moves_payloads_the_way_it_was_told(tmp_path: Path):
     from client.local_cluster import LocalCluster
     from gradps.v1 import coordinator_pb2 as cpb
