@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import math
@@ -289,26 +288,31 @@ def wait_for_call(
 def stop_on_signal() -> threading.Event:
     """An event set once the process gets SIGTERM or SIGINT (call from the main thread).
 
-    The handler only writes a byte to a pipe, and a thread of its own, blocked reading the pipe,
-    sets the event: a handler that set it itself takes the event's lock, and deadlocks when the
-    signal lands while the main thread holds that lock (the service then never stops)."""
+    The kernel may deliver a signal to any thread, and Python runs a signal's handler only when
+    its main thread next runs Python code: a main thread blocked in a wait may never do so (a
+    service then never stops). The interpreter's own C handler, though, writes the signal's
+    number to the wakeup fd at once, whichever thread it interrupted: a thread of its own,
+    blocked reading that pipe, sets the event."""
     stop = threading.Event()
     woken, wake = os.pipe()
     os.set_blocking(wake, False)
-
-    def record(signum: int, _frame: object) -> None:
-        with contextlib.suppress(BlockingIOError):  # full: a byte is already there to wake it
-            os.write(wake, b"\0")
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, record)
+    signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
+    stopping = (signal.SIGTERM, signal.SIGINT)
+    for sig in stopping:
+        signal.signal(sig, _noticed_by_wakeup_fd)
 
     def watch() -> None:
-        os.read(woken, 1)
+        while os.read(woken, 1)[0] not in stopping:  # another signal Python handles
+            pass
         stop.set()
 
     threading.Thread(target=watch, name="signals", daemon=True).start()
     return stop
+
+
+def _noticed_by_wakeup_fd(signum: int, _frame: object) -> None:
+    """In place of the default action (end the process, or KeyboardInterrupt): the wakeup fd
+    has told the watcher."""
 
 
 def serve_until_signal(server: Server) -> None:

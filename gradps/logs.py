@@ -1,11 +1,13 @@
 """Service logs: lines for people (`--log-format text`, the default) or one JSON object per line
 for log pipelines (`--log-format json`: Loki, Elasticsearch, Cloud Logging), with the run and
-worker a line is about as fields of their own."""
+worker a line is about as fields of their own; and every thread's stack on SIGUSR1."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
+import signal
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -65,6 +67,10 @@ def configure_logging(service: str, level: str, log_format: str) -> None:
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # `kill -USR1 PID` writes every thread's stack to stderr: what a service that does not stop
+    # or does not answer is doing, without a debugger. Written from the signal handler's C
+    # code, so it works while the interpreter is stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def log_options(fn: F) -> F:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from google.protobuf.message import DecodeError
@@ -120,6 +121,8 @@ class RunCheckpoints:
         self._writing = False
         self._outcomes: dict[int, Outcome] = {}
         self._closed = False
+        # The threads writing a checkpoint or making its memory ready, joined by `finish`.
+        self._background: list[threading.Thread] = []
         # The memory a snapshot is copied into, reused by the next one.
         self._buffers = direct_io.Buffers()
         # Whether that memory was made ready (or a snapshot was taken, which keeps its own).
@@ -153,8 +156,7 @@ class RunCheckpoints:
             return
         self._prepared = True
         sizes = checkpoint.file_sizes(rule.run, rule)
-        name = f"checkpoint-memory-{rule.run.run_id}"
-        threading.Thread(target=self._reserve, args=(sizes,), name=name, daemon=True).start()
+        self._start_background(self._reserve, sizes, name=f"checkpoint-memory-{rule.run.run_id}")
 
     def _due_within(self, rule: ShardRule, steps: int, seconds: float) -> bool:
         """Whether the run's interval says a checkpoint is due within `steps` steps or `seconds`
@@ -197,8 +199,15 @@ class RunCheckpoints:
             raise
         self.last_step, self.last_time = rule.step(), time.monotonic()
         self._prepared = True
-        threading.Thread(target=self._write, args=(snapshot,), name=f"checkpoint-{run.run_id}", daemon=True).start()
+        self._start_background(self._write, snapshot, name=f"checkpoint-{run.run_id}")
         return sequence
+
+    def _start_background(self, work: Callable[[Any], None], arg: object, name: str) -> None:
+        # Daemons, so that a shard killed mid-write still exits; a stopping one joins them (`finish`).
+        thread = threading.Thread(target=work, args=(arg,), name=name, daemon=True)
+        with self._cond:
+            self._background = [t for t in self._background if t.is_alive()] + [thread]
+        thread.start()
 
     def _write(self, snapshot: checkpoint.Snapshot) -> None:
         _in_background()
@@ -241,6 +250,19 @@ class RunCheckpoints:
     def _prune(self) -> None:
         for sequence in self.sequences()[: -self.keep]:
             checkpoint.remove_tree(self._path(sequence))
+
+    def finish(self, timeout_s: float) -> bool:
+        """For a stopping shard: start no more checkpoints, and wait at most `timeout_s` for the
+        one being written and for every background thread to end (False if one has not). A
+        thread still running at the interpreter's exit is stopped where it stands, which inside
+        torch (a snapshot's tensors being freed) aborts the process."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            self._closed = True
+            threads = list(self._background)
+        for thread in threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no checkpoint is being written; False after `timeout_s`."""

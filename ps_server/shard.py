@@ -10,6 +10,7 @@ the server's interceptor.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -108,6 +109,9 @@ _MAX_SEGMENTS_PER_WORKER = 4
 _MAX_STREAMS_PER_WORKER = 4
 # The longest CheckpointRun waits for a checkpoint to be written.
 _CHECKPOINT_WAIT_S = 600.0
+# The longest a stopping shard waits for the checkpoints being written: within the 15 s that
+# compose and Kubernetes give it after SIGTERM, with the server's own 2 s.
+_STOP_CHECKPOINT_WAIT_S = 10.0
 # Called with the run's lock held after a push or deposit changed it.
 Changed = Callable[[RunState, ShardRule], None]
 
@@ -188,6 +192,19 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         if saving is not None:
             saving.remove()
         return shard_pb2.CloseRunResponse()
+
+    def finish_checkpoints(self, timeout_s: float) -> bool:
+        """For a stopping shard: no more checkpoints, and those being written finished, waited
+        for at most `timeout_s` in all; False, and a line for each, when some are not."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            saving = dict(self._saving)
+        finished = True
+        for run_id, run_saving in saving.items():
+            if not run_saving.finish(time_left(end)):
+                _LOGGER.warning("run %s: a checkpoint still being written is abandoned", run_id, extra=_about(run_id))
+                finished = False
+        return finished
 
     def EndRun(self, request: shard_pb2.EndRunRequest, context: grpc.ServicerContext) -> shard_pb2.EndRunResponse:
         run, rule = self._run(request.run_id)
@@ -932,7 +949,8 @@ def main(
         raise click.UsageError(f"--data-port {data_port}: {e.strerror or e}") from None
     checkpoints = _checkpoints(state_dir, shard_id, advertise_host, port, keep_checkpoints)
     server = make_server(secret=cluster_secret, max_calls_per_caller=max_calls_per_caller)
-    add_shard_servicer(ShardServicer(torch_device, listener, checkpoints), server)
+    servicer = ShardServicer(torch_device, listener, checkpoints)
+    add_shard_servicer(servicer, server)
     add_health(server, ["gradps.v1.ShardService"])
     try:
         bound = bind(server, port, bind_address, tls)
@@ -959,6 +977,11 @@ def main(
     )
     serve_until_signal(server)
     stopped.set()
+    if not servicer.finish_checkpoints(_STOP_CHECKPOINT_WAIT_S):
+        # The interpreter's exit would stop the writing thread where it stands, which inside
+        # torch aborts the process: leave now. A restarted shard removes the unfinished folder.
+        logging.shutdown()
+        os._exit(0)
 
 
 def _checkpoints(

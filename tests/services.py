@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,14 +137,27 @@ class Services:
         raise AssertionError("no VmRSS")
 
     def stop(self) -> None:
-        processes = [*self.shards, *([self.coordinator] if self.coordinator else [])]
-        for p in processes:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)  # a test may have paused it
-                p.terminate()
-        for p in processes:
+        """SIGTERM every service still running; one that does not stop within 10 s, or stops with
+        a status other than 0, is warned about with the end of its log (a service that outlives
+        its SIGTERM first writes its threads' stacks there: gradps.logs)."""
+        named = [
+            *((f"shard-{i}", p) for i, p in enumerate(self.shards)),
+            *([("coordinator", self.coordinator)] if self.coordinator else []),
+        ]
+        running = [(name, p) for name, p in named if p.poll() is None]
+        for _, p in running:
+            p.send_signal(signal.SIGCONT)  # a test may have paused it
+            p.terminate()
+        for name, p in running:
             try:
                 p.wait(timeout=10)
+                trouble = None if p.returncode == 0 else f"exited with {p.returncode} on SIGTERM"
             except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGUSR1)
+                time.sleep(1)
                 p.kill()
                 p.wait()
+                trouble = "did not stop within 10 s of SIGTERM"
+            if trouble:
+                log = self.tmp / f"{name}.log"
+                warnings.warn(f"{name} {trouble}; its log ends:\n{log.read_text()[-8000:]}", stacklevel=1)

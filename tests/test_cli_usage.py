@@ -3,8 +3,10 @@ no embedded-cluster process, no run holding the cluster's workers."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -20,7 +22,7 @@ from client.cli import cli
 from client.local_cluster import LocalCluster
 from client.sdk import Client
 from gradps.v1 import coordinator_pb2 as cpb
-from tests.services import free_ports
+from tests.services import Services, free_ports
 
 
 def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
@@ -207,6 +209,29 @@ def test_a_worker_waiting_to_join_stops_on_sigterm() -> None:
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+# tgkill(2): a signal to one thread of another process (Python sends only to its own threads).
+_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+@pytest.mark.skipif(platform.machine() not in _TGKILL, reason="tgkill's number known for x86_64 and aarch64")
+@pytest.mark.parametrize("service", ["coordinator", "shard"])
+def test_a_service_stops_on_sigterm_delivered_to_any_of_its_threads(tmp_path: Path, service: str) -> None:
+    # The kernel hands a process's signal to whichever thread it likes; Python runs the handler
+    # only on its main thread, which a service keeps blocked until it is told to stop.
+    services = Services(tmp_path)
+    try:
+        services.start_coordinator()
+        services.add_shard()
+        process = services.coordinator if service == "coordinator" else services.shards[0]
+        assert process is not None
+        others = [int(t) for t in os.listdir(f"/proc/{process.pid}/task") if int(t) != process.pid]
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(_TGKILL[platform.machine()], process.pid, others[-1], signal.SIGTERM) == 0
+        assert process.wait(timeout=15) == 0
+    finally:
+        services.stop()
 
 
 def test_up_serves_on_its_port_and_says_how_the_other_commands_find_it(tmp_path: Path) -> None:

@@ -1,19 +1,24 @@
 """`--log-format json` (GRADPS_LOG_FORMAT): every line of every service of a real local cluster is
-one JSON object, and the lines about a run or a worker carry its id as a field."""
+one JSON object, and the lines about a run or a worker carry its id as a field; SIGUSR1 writes a
+service's thread stacks to its log."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.local_cluster import LocalCluster
 from client.report import follow
 from client.sdk import Client
 from gradps.v1 import run_pb2
+from tests.services import Services, until
 
 
 def test_every_service_logs_json_lines_with_run_and_worker_ids(tmp_path: Path, monkeypatch) -> None:
@@ -57,3 +62,27 @@ def test_an_unknown_log_format_is_a_one_line_usage_error(service: str) -> None:
     )
     assert done.returncode == 2
     assert "'--log-format' (env var: 'GRADPS_LOG_FORMAT'): 'xml' is not one of 'text', 'json'." in done.stderr
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_service_goes_on(tmp_path: Path) -> None:
+    services = Services(tmp_path)
+    try:
+        services.start_coordinator()
+        services.add_shard()
+        processes = {"coordinator": services.coordinator, "shard-0": services.shards[0]}
+        for name, process in processes.items():
+            assert process is not None
+            process.send_signal(signal.SIGUSR1)
+            log = tmp_path / f"{name}.log"
+            until(lambda log=log: "run_forever" in log.read_text(), 30, f"no stacks in {log}")  # the loop's thread
+            text = log.read_text()
+            assert "Thread 0x" in text, text
+            assert "serve_until_signal" in text, text  # the main thread, waiting for its stop signal
+            with grpc.insecure_channel(
+                services.address if name == "coordinator" else f"127.0.0.1:{services.shard_ports[0]}"
+            ) as channel:
+                answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            assert process.poll() is None
+    finally:
+        services.stop()

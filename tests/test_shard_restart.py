@@ -230,3 +230,26 @@ def test_a_state_dir_without_a_usable_shard_id_stops_the_shard_at_start_up(tmp_p
     done = subprocess.run([*command, *flags], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and not (tmp_path / "shard-a").exists()
+
+
+def test_a_shard_stopped_with_sigterm_finishes_the_checkpoint_it_is_writing(services, tmp_path):
+    big = {"w": torch.ones(16 << 20)}  # 64 MiB: its checkpoint takes a while to write and fsync
+    spec = run_pb2.RunSpec(scheme="asgd", workers=1, steps=10)
+    run_id, sessions, clients, placement = join_run(services.address, spec, big, transport="grpc")
+    (address,) = placement.shards
+    folder = tmp_path / "state" / f"shard-{SHARD_ID}" / run_id
+    try:
+        clients[0].register(big)
+        with open_channel(address) as channel:
+            asked = shard_pb2_grpc.ShardServiceStub(channel).CheckpointRun.future(
+                shard_pb2.CheckpointRunRequest(run_id=run_id), timeout=60
+            )
+            until(lambda: (folder / ".ckpt-00000001.tmp").exists(), 30, "no checkpoint being written")
+            asked.cancel()  # no call in flight: the server stops at once, the write goes on
+        services.shards[0].terminate()
+        assert services.shards[0].wait(timeout=30) == 0
+    finally:
+        leave(sessions, clients)
+    assert _checkpoints(tmp_path, run_id) == ["ckpt-00000001"]
+    assert not (folder / ".ckpt-00000001.tmp").exists()
+    assert "checkpoint 1 at step 0" in (tmp_path / "shard-0.log").read_text()
