@@ -1,6 +1,6 @@
 """Service logs: lines for people (`--log-format text`, the default) or one JSON object per line
 for log pipelines (`--log-format json`: Loki, Elasticsearch, Cloud Logging), with the run and
-worker a line is about as fields of their own; and every thread's stack on SIGUSR1."""
+worker a line is about as fields of their own. On SIGUSR1, every thread's stack."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         finished = True
         for run_id, run_saving in saving.items():
             if not run_saving.finish(time_left(end)):
-                _LOGGER.warning("run %s: a checkpoint still being written is abandoned", run_id, extra=_about(run_id))
+                _LOGGER.warning("run %s: checkpoint work still going on is abandoned", run_id, extra=_about(run_id))
                 finished = False
         return finished
 
