@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import secrets
 import signal
@@ -27,6 +28,9 @@ from gradps.netem import EmulatedNetwork, Layout
 MAX_PROCESSES = 256
 # In the state dir: the shards' ports, for the next cluster on it.
 _SHARD_PORTS = "shard-ports.json"
+# Unconfigured, Python's logging writes a warning's message alone to stderr: what a user of the
+# CLI or the SDK sees of a service that crashed while it stopped.
+_LOGGER = logging.getLogger("gradps.local_cluster")
 
 
 def own_certs(folder: Path, hosts: Sequence[str] = ()) -> Path:
@@ -172,6 +176,7 @@ class LocalCluster:
         self.shards: list[subprocess.Popen] = []
         self.shard_ports: list[int] = []
         self.workers: list[subprocess.Popen] = []
+        self._names: dict[int, str] = {}  # by pid: "coordinator", "shard-0", "worker-1"
         self.address = ""
 
     @property
@@ -218,6 +223,7 @@ class LocalCluster:
         if self.network:
             argv = self.network.command(host, argv)
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._names[process.pid] = name
         if self.metrics:
             self._metrics_ports[name] = (address, port_file, process)
         return process
@@ -399,10 +405,13 @@ class LocalCluster:
         once a process of the cluster stops (none with only part of its workers, which a
         checkpoint could keep). The coordinator goes last: it hears each worker leave, so a
         stopped cluster leaves no run recorded as running with workers that are gone, which the
-        next cluster on the same state dir would take up on its own."""
-        codes = terminate(self.shards, grace_s) + terminate(self.workers, grace_s)
-        if self.coordinator:
-            codes += terminate([self.coordinator], grace_s)
+        next cluster on the same state dir would take up on its own. A service that was running
+        and does not exit 0 is warned about (logger `gradps.local_cluster`), with its log's end."""
+        groups = [self.shards, self.workers, [self.coordinator] if self.coordinator else []]
+        running = {p.pid for group in groups for p in group if p.poll() is None}
+        codes = [code for group in groups for code in terminate(group, grace_s)]
+        for p in (p for group in groups for p in group if p.pid in running and p.returncode != 0):
+            self._say_stop_failed(p, grace_s)
         for address in self._remembered:
             forget(address)
             tls.forget(address)
@@ -410,6 +419,19 @@ class LocalCluster:
         self._remembered.clear()
         self._tmp.cleanup()
         return codes
+
+    def _say_stop_failed(self, process: subprocess.Popen, grace_s: float) -> None:
+        """A warning for a service that did not stop cleanly on SIGTERM, with the end of its log
+        (the folder may be a temporary one, removed now)."""
+        name = self._names.get(process.pid, f"process {process.pid}")
+        how = (
+            f"did not stop within {grace_s:.0f} s of SIGTERM and was killed"
+            if process.returncode == -signal.SIGKILL
+            else f"exited with {process.returncode} when stopped"
+        )
+        path = self.log_dir / f"{name}.log"
+        tail = path.read_text(errors="replace").splitlines()[-5:] if path.exists() else []
+        _LOGGER.warning("local cluster: %s %s; its log ends:\n%s", name, how, "\n".join(tail))
 
     def __enter__(self) -> LocalCluster:
         try:

@@ -233,6 +233,19 @@ def test_the_services_stop_on_sigterm_delivered_to_any_of_their_threads(tmp_path
         services.stop()
 
 
+def test_a_local_service_that_does_not_stop_cleanly_is_named_with_the_end_of_its_log(caplog, monkeypatch) -> None:
+    monkeypatch.setenv("GRADPS_LOG_LEVEL", "INFO")
+    cluster = LocalCluster(shards=1, workers=0).start()
+    shard = cluster.shards[0]
+    shard.send_signal(signal.SIGSTOP)  # deaf to SIGTERM: killed once the grace is over
+    with caplog.at_level("WARNING", logger="gradps.local_cluster"):
+        codes = cluster.stop(grace_s=1.0)
+    assert codes == [-signal.SIGKILL, 0], codes  # the shard, then the coordinator
+    (record,) = caplog.records
+    assert record.getMessage().startswith("local cluster: shard-0 did not stop within 1 s of SIGTERM and was killed;")
+    assert "shard 0 serving on port" in record.getMessage()  # the end of its log
+
+
 def test_up_serves_on_its_port_and_says_how_the_other_commands_find_it(tmp_path: Path) -> None:
     port = free_ports(1)[0]  # a port free now, as a user would pick one
     args = ["up", "--port", str(port), "--shards", "1", "--workers", "0", "--state-dir", str(tmp_path / "state")]
