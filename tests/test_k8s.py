@@ -1185,6 +1185,7 @@ class MountedNetwork(Network):
         return mounts
 
 
+@pytest.mark.slow  # the plain pods' test stays in the everyday suite
 @pytest.mark.timeout(180)
 def test_the_secure_pods_form_a_cluster_as_local_processes(secure_build: SecureBuild, tmp_path: Path):
     from gradps.auth.tokens import ADMIN, ClusterSecret
