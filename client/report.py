@@ -100,6 +100,14 @@ def metrics_row(m: cpb.Metrics) -> dict[str, Any]:
     return row
 
 
+def _as_final(m: cpb.Metrics) -> tuple[bool, bool]:
+    """How well a done report stands for the run's final accuracy: best, one whose model is the
+    one the run ends with and exports (Metrics.final_model: under asgd and ssp, a worker that
+    finished before another's last push evaluated a snapshot), rank 0's first among those; rank
+    0's where none is."""
+    return m.final_model, m.rank == 0
+
+
 def follow(
     client: Client,
     run_id: str,
@@ -140,9 +148,7 @@ def follow(
                     if m.test_accuracy >= 0:
                         accuracy = m.test_accuracy
                         curve.append({"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy})
-                    # The final accuracy is rank 0's, whose model is the one exported (a launched
-                    # run's rank 0 holds the averaged buffers); another rank's only until it reports.
-                    if m.done and m.test_accuracy >= 0 and (final is None or final.rank != 0):
+                    if m.done and m.test_accuracy >= 0 and (final is None or _as_final(m) > _as_final(final)):
                         final = m
                 _show(progress, task, run, accuracy)
                 if run.state in _ENDED:

@@ -254,7 +254,7 @@ class DistributedOptimizer:
                             b.copy_(average[name])
                 _save(average, buffers_file(launch.launch_dir))
         self._ended = True
-        trainer.finish()
+        trainer.finish(exported=not buffers or trainer.assignment.rank == 0)
 
     def _fail(self, reason: str) -> None:
         """Fail the run with `reason` (this script broke before the run's end); best effort."""

@@ -192,11 +192,14 @@ class Trainer:
         """True once the scheme's step counter reached the run's total steps."""
         return self.steps_done >= self.total_steps
 
-    def finish(self) -> cpb.Metrics:
-        """Bring the replica to the final global model, evaluate it, report done."""
+    def finish(self, exported: bool = True) -> cpb.Metrics:
+        """Bring the replica to the final global model, evaluate it, report done. `exported`:
+        False where this replica is not the model the run exports even with the final weights
+        (a launched run's rank other than 0 keeps buffers of its own)."""
         with torch.no_grad():
             self.scheme.finish(self.steps_done)
-        metrics = self._report(self.evaluate is not None, done=True)
+        final_model = exported and self.scheme.holds_final_model()
+        metrics = self._report(self.evaluate is not None, done=True, final_model=final_model)
         self.client.close()
         return metrics
 
@@ -228,7 +231,7 @@ class Trainer:
             total_steps=self.total_steps,
         )
 
-    def _report(self, evaluate: bool, done: bool) -> cpb.Metrics:
+    def _report(self, evaluate: bool, done: bool, final_model: bool = False) -> cpb.Metrics:
         m = self._metrics()
         if evaluate and self.evaluate is not None:
             was_training = self.model.training
@@ -236,6 +239,7 @@ class Trainer:
             m.test_loss, m.test_accuracy = self.evaluate(model)
             self.model.train(was_training)
         m.done = done
+        m.final_model = final_model
         if done:
             m.weights_digest = weights_digest(self.params)
         self._last_loss = m.loss

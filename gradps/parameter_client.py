@@ -98,6 +98,9 @@ class ParameterClient:
         self.feedback = ErrorFeedback()
         self.cuts = cuts or Cuts(run_pb2.RunSpec(), declares=False)
         self.versions: dict[PartKey, int] = {}
+        # Whether every shard answered the last pull with the run's final weights (asgd, ssp:
+        # PullResponse.final_weights): the replica then holds the model the run ends with.
+        self.pulled_final_weights = False
         self._parts: list[list[shard_pb2.PartPlacement]] = [[] for _ in placement.shards]
         for p in placement.parts:
             self._parts[p.shard].append(p)
@@ -181,8 +184,9 @@ class ParameterClient:
         weights = not request.gradient  # a weight's version is what the next push was computed on
         take = self._taker(flat, record_versions=weights)
         answers = self._each_shard(lambda link: link.pull(request, take))
-        for _, cut_step in answers:
-            self.cuts.learn(cut_step)
+        for _, head in answers:
+            self.cuts.learn(head.cut_step)
+        self.pulled_final_weights = all(head.final_weights for _, head in answers)
         self.traffic.bytes_pulled += sum(received for received, _ in answers)
         elapsed = time.perf_counter() - start
         self.traffic.pull_s += elapsed

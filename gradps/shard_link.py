@@ -140,20 +140,20 @@ class ShardLink:
 
         return self._attempts(call, send=True, receive=False, retry=_RETRYABLE)
 
-    def pull(self, request: shard_pb2.PullRequest, take: Take) -> tuple[int, int]:
-        """Pull `request`, each part handed to `take`; returns the payload bytes received and the
-        cut the answer names (PullResponse.cut_step)."""
+    def pull(self, request: shard_pb2.PullRequest, take: Take) -> tuple[int, shard_pb2.PullResponse]:
+        """Pull `request`, each part handed to `take`; returns the payload bytes received and what
+        every message of the answer repeats (its cut_step and final_weights)."""
 
-        def call(_: Outbound, inbound: Inbound) -> tuple[int, int]:
+        def call(_: Outbound, inbound: Inbound) -> tuple[int, shard_pb2.PullResponse]:
             named = shard_pb2.PullRequest()
             named.CopyFrom(request)
             inbound.name_in(named)
-            received = cut_step = 0
+            received, head = 0, shard_pb2.PullResponse()
             for message in self._pull(named, timeout=self.timeout_s + 5):
                 head, parts = unframe(message, shard_pb2.PullResponse)
-                cut_step = head.cut_step
                 received += sum(take(meta, inbound, data) for meta, data in parts)
-            return received, cut_step
+            head.ClearField("parts")  # taken: the caller keeps the header's own fields only
+            return received, head
 
         return self._attempts(call, send=False, receive=True)
 

@@ -666,7 +666,7 @@ def _answer(
     context: grpc.ServicerContext,
 ) -> Iterator[bytes | Park]:
     """A pull's answer, once the rule says its parts are ready: messages repeating `header`,
-    which names the run's declared cut as it is then."""
+    which names the run's declared cut as it is then and whether the weights are final."""
     began = time.perf_counter()
     parts = list(run.parts.values())
     wait_s = min(request.wait_ms / 1000, MAX_CLAIM_S) if request.wait_ms else _DEFAULT_WAIT_S
@@ -685,6 +685,7 @@ def _answer(
         chosen = [(p, fixed_payload(p, rule.pull_values(p, request), request.codec)) for p in parts]
         rule.on_pull(request.worker_id, parts)
         header.cut_step = run.cut_step
+        header.final_weights = rule.weights_final()
     items = pulled_parts(run, chosen, request.codec, request.HasField("into"), context)
     pulled = [0]
     try:

@@ -19,15 +19,16 @@ def join_run(
     n_workers: int = 1,
     codec: tensor_pb2.CodecParams = NONE,
     transport: str = "shm",
+    total_steps: int = 100,
 ) -> tuple[str, list[WorkerSession], list[ParameterClient], shard_pb2.Placement]:
-    """Submit `spec`, join `n_workers` sessions as its workers and create the placement;
-    returns (run_id, sessions, clients, placement). Close with `leave`."""
+    """Submit `spec`, join `n_workers` sessions as its workers and create the placement of a run
+    of `total_steps`; returns (run_id, sessions, clients, placement). Close with `leave`."""
     with Client(address) as client:
         run_id = client.submit(spec)
     sessions = [WorkerSession(address, name=f"test-{i}") for i in range(n_workers)]
     assignments = [s.wait_for_assignment(wait_s=10) for s in sessions]
     assert all(a is not None and a.run_id == run_id for a in assignments)
-    placement = sessions[0].placement(run_id, tensor_specs(tensors), total_steps=100)
+    placement = sessions[0].placement(run_id, tensor_specs(tensors), total_steps=total_steps)
     clients = [
         ParameterClient(placement, run_id, s.worker_id, codec, NONE, timeout_s=10, transport=transport)
         for s in sessions

@@ -404,3 +404,36 @@ def test_push_pull_applies_the_step_and_returns_its_weights_in_one_call(shards_o
         assert clients[0].traffic.bytes_pulled == 2 * 4 * sum(t.numel() for t in tensors.values())
     finally:
         leave(sessions, clients)
+
+
+@pytest.mark.parametrize("scheme", ["asgd", "ssp"])
+def test_a_pull_says_the_weights_are_final_once_every_worker_pushed_its_last_step(shards_only, scheme):
+    # A worker that finishes first holds a snapshot the other's last pushes still change; the one
+    # whose pull came after every last push holds the model the run ends with, and is told so.
+    spec = run_pb2.RunSpec(scheme=scheme, workers=2, steps=3, part_size=1024)
+    tensors = {"w": torch.zeros(600), "b": torch.zeros(300)}
+    run_id, sessions, clients, placement = join_run(shards_only.address, spec, tensors, n_workers=2, total_steps=3)
+    try:
+        assert len({p.shard for p in placement.parts}) > 1  # every shard must say so
+        clients[0].register(tensors)
+        grads, pulled = (
+            {n: torch.ones_like(t) for n, t in tensors.items()},
+            {n: torch.zeros_like(t) for n, t in tensors.items()},
+        )
+        finals = []
+        for step in range(3):
+            clients[0].push(grads, step)
+        clients[0].pull(pulled)
+        finals.append(clients[0].pulled_final_weights)
+        for step in range(2):
+            clients[1].push(grads, step)
+        clients[0].pull(pulled)
+        finals.append(clients[0].pulled_final_weights)
+        clients[1].push(grads, 3)  # asgd's remainder after the last step counts as a last push
+        clients[1].pull(pulled)
+        finals.append(clients[1].pulled_final_weights)
+        clients[0].pull(pulled)
+        finals.append(clients[0].pulled_final_weights)
+        assert finals == [False, False, True, True]
+    finally:
+        leave(sessions, clients)

@@ -57,6 +57,12 @@ class WorkerScheme(ABC):
         """Bring the replica to the final global model after `steps_done` steps (default: pull it)."""
         self.client.pull(self.params)
 
+    def holds_final_model(self) -> bool:
+        """After `finish`: whether the replica holds the model the run ends with (Metrics.final_model).
+        By default, when the shards answered its last pull with final weights (asgd, ssp: a
+        worker that finished before another's last push holds a snapshot)."""
+        return self.client.pulled_final_weights
+
     def eval_model(self) -> torch.nn.Module:
         """The model whose test accuracy is reported: the replica, holding global weights."""
         return self.replica.model

@@ -18,3 +18,6 @@ class SyncWorker(WorkerScheme):
 
     def finish(self, steps_done: int) -> None:
         """The replica already holds the final global weights after the last pull."""
+
+    def holds_final_model(self) -> bool:
+        return True  # every replica pulled the weights of the last step

@@ -26,7 +26,7 @@ RUN_STATE_FAILED: RunState
 RUN_STATE_STOPPED: RunState
 
 class Metrics(_message.Message):
-    __slots__ = ("worker_id", "rank", "step", "loss", "test_accuracy", "test_loss", "samples", "elapsed_s", "bytes_pushed", "bytes_pulled", "staleness_sum", "pushes", "staleness_max", "wait_s", "done", "error", "total_steps", "weights_digest")
+    __slots__ = ("worker_id", "rank", "step", "loss", "test_accuracy", "test_loss", "samples", "elapsed_s", "bytes_pushed", "bytes_pulled", "staleness_sum", "pushes", "staleness_max", "wait_s", "done", "error", "total_steps", "weights_digest", "final_model")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Metrics(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FINAL_MODEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     rank: int
     step: int
@@ -63,7 +64,8 @@ class Metrics(_message.Message):
     error: str
     total_steps: int
     weights_digest: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., weights_digest: _Optional[bytes] = ...) -> None: ...
+    final_model: bool
+    def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., samples: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., staleness_sum: _Optional[float] = ..., pushes: _Optional[int] = ..., staleness_max: _Optional[int] = ..., wait_s: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., weights_digest: _Optional[bytes] = ..., final_model: _Optional[bool] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "spec", "state", "submitted_at", "started_at", "finished_at", "workers", "dead_workers", "latest", "total_steps", "message", "pending_reason", "restores", "rolled_back_steps", "restore_epoch", "joins", "scaled_to")

@@ -139,14 +139,16 @@ class PullRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.CodecParams, _Mapping]] = ..., clock: _Optional[int] = ..., gradient: _Optional[bool] = ..., gradient_step: _Optional[int] = ..., into: _Optional[_Union[_tensor_pb2.SharedRegion, _Mapping]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., restore_epoch: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("part", "parts", "cut_step")
+    __slots__ = ("part", "parts", "cut_step", "final_weights")
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     CUT_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINAL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     part: _tensor_pb2.TensorPart
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
     cut_step: int
-    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., cut_step: _Optional[int] = ...) -> None: ...
+    final_weights: bool
+    def __init__(self, part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., cut_step: _Optional[int] = ..., final_weights: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("run_id", "worker_id", "step", "part", "parts", "stream", "part_count", "restore_epoch", "cut_step")
@@ -195,16 +197,18 @@ class PushPullRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., stream: _Optional[_Union[StreamCall, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., part_count: _Optional[int] = ..., restore_epoch: _Optional[int] = ..., cut_step: _Optional[int] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("push", "part", "parts", "cut_step")
+    __slots__ = ("push", "part", "parts", "cut_step", "final_weights")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     CUT_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINAL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     push: PushResponse
     part: _tensor_pb2.TensorPart
     parts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorPart]
     cut_step: int
-    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., cut_step: _Optional[int] = ...) -> None: ...
+    final_weights: bool
+    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., part: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[_tensor_pb2.TensorPart, _Mapping]]] = ..., cut_step: _Optional[int] = ..., final_weights: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("parts", "staleness", "applied", "cut_step", "cut_asked")

@@ -28,6 +28,9 @@ class AsgdRule(ShardRule):
         self.staleness_lr = sp.staleness_lr
         self.dc_lambda = sp.dc_lambda
         self.dc_adaptive = sp.dc_adaptive
+        # Each worker's clock: its pushes' highest step plus one (ssp's bound; every clock at the
+        # run's steps: the weights are final).
+        self.clock: dict[int, int] = {}
         # DC-ASGD: the weights each worker last pulled (its "backup" in the paper).
         self.pulled: dict[int, dict[PartKey, torch.Tensor]] = {}
         self.mean_square: dict[PartKey, torch.Tensor] = {}
@@ -55,12 +58,15 @@ class AsgdRule(ShardRule):
             [worker, *key, saved.put(values)] for worker, parts in self.pulled.items() for key, values in parts.items()
         ]
         saved.fields["mean_square"] = [[*key, saved.put(ms)] for key, ms in self.mean_square.items()]
+        saved.fields["clock"] = sorted(self.clock.items())
 
     def load(self, saved: Saved) -> None:
         for worker, name, index, tensor in saved.fields["pulled"]:
             self.pulled.setdefault(int(worker), {})[part_of([name, index])] = saved.get(tensor)
         for name, index, tensor in saved.fields["mean_square"]:
             self.mean_square[part_of([name, index])] = saved.get(tensor)
+        # An asgd checkpoint written before asgd kept clocks has none: its weights are never final.
+        self.clock = {int(worker): int(clock) for worker, clock in saved.fields.get("clock", [])}
 
     def push(self, push: Push) -> int:
         staleness = 0
@@ -74,7 +80,15 @@ class AsgdRule(ShardRule):
             updates.append((key, grad, 1.0 / max(1, tau) if self.staleness_lr else 1.0))
             part.version += 1
         self.run.optimizer.apply(updates)  # every part of the push in one fused step
+        self.clock[push.worker_id] = max(self.clock.get(push.worker_id, 0), push.step + 1)
         return staleness
+
+    def slowest_clock(self) -> int:
+        return min((self.clock.get(w, 0) for w in self.run.live_workers), default=0)
+
+    def weights_final(self) -> bool:
+        # A worker's last push is of its last step or beyond (asgd's remainder after it).
+        return bool(self.run.live_workers) and self.slowest_clock() >= self.run.total_steps > 0
 
     def _compensate(self, worker_id: int, part: Part, grad: torch.Tensor) -> torch.Tensor:
         pulled = self.pulled.get(worker_id, {}).get(part.key)

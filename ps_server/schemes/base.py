@@ -71,6 +71,12 @@ class ShardRule(ABC):
     def membership_changed(self) -> None:  # noqa: B027 (optional hook)
         """The live workers changed; finish anything that was waiting for the dead."""
 
+    def weights_final(self) -> bool:
+        """Whether no push can change the weights any more: the run's final ones, which a pull
+        answered now sends (PullResponse.final_weights). False by default: the schemes whose
+        workers all end on the same model tell them so themselves."""
+        return False
+
     def pull_ready(self, parts: list[Part], request: shard_pb2.PullRequest) -> bool:
         """May this pull be answered now? (Re-evaluated whenever the run changes.) It depends on
         the request's min_version, clock, gradient and gradient_step only, never on who asks:
