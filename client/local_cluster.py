@@ -238,17 +238,22 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while not path.exists():
             if process.poll() is not None:
-                raise GradpsError(f"a local service exited at start-up{self._last_error(process)}; see {self.log_dir}")
+                raise GradpsError(
+                    f"{self._name(process)} exited at start-up{self._refusal(process)}; see {self.log_dir}"
+                )
             if time.monotonic() > deadline:
-                raise GradpsError(f"a local service did not start in {timeout_s:.0f}s; see {self.log_dir}")
+                raise GradpsError(f"{self._name(process)} did not start in {timeout_s:.0f}s; see {self.log_dir}")
             time.sleep(0.05)
         return int(path.read_text())
 
-    def _last_error(self, process: subprocess.Popen) -> str:
-        """A service's one-line refusal (`Error: ...`, click's), when it gave one."""
-        name = "coordinator" if process is self.coordinator else ""
-        path = self.log_dir / f"{name}.log"
-        lines = path.read_text(errors="replace").splitlines() if name and path.exists() else []
+    def _name(self, process: subprocess.Popen) -> str:
+        """The local service's name as its log file has it ("shard-0"), for messages."""
+        return self._names.get(process.pid, f"process {process.pid}")
+
+    def _refusal(self, process: subprocess.Popen) -> str:
+        """A service's one-line refusal (`Error: ...`, click's), when its log ends with one."""
+        path = self.log_dir / f"{self._name(process)}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
         return f" ({lines[-1]})" if lines and lines[-1].startswith("Error: ") else ""
 
     def start(self) -> LocalCluster:
@@ -423,7 +428,7 @@ class LocalCluster:
     def _say_stop_failed(self, process: subprocess.Popen, grace_s: float) -> None:
         """A warning for a service that did not stop cleanly on SIGTERM, with the end of its log
         (the folder may be a temporary one, removed now)."""
-        name = self._names.get(process.pid, f"process {process.pid}")
+        name = self._name(process)
         how = (
             f"did not stop within {grace_s:.0f} s of SIGTERM and was killed"
             if process.returncode == -signal.SIGKILL

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from client.cli import cli
 from client.local_cluster import LocalCluster
-from client.sdk import Client
+from client.sdk import Client, GradpsError
 from gradps.v1 import coordinator_pb2 as cpb
 from tests.services import Services, free_ports
 
@@ -244,6 +244,15 @@ def test_a_local_service_that_does_not_stop_cleanly_is_named_with_the_end_of_its
     (record,) = [r for r in caplog.records if r.name == "gradps.local_cluster"]
     assert record.getMessage().startswith("local cluster: shard-0 did not stop within 1 s of SIGTERM and was killed;")
     assert "shard 0 serving on port" in record.getMessage()  # the end of its log
+
+
+def test_a_local_service_that_refuses_to_start_is_named_with_its_refusal() -> None:
+    with LocalCluster(shards=1, workers=0) as cluster:
+        taken = int(cluster.address.rsplit(":", 1)[1])  # the coordinator's
+        with pytest.raises(GradpsError) as refused:
+            cluster.add_shard(1, port=taken)
+    message = str(refused.value)
+    assert message.startswith(f"shard-1 exited at start-up (Error: --port {taken}: cannot bind port {taken}"), message
 
 
 def test_up_serves_on_its_port_and_says_how_the_other_commands_find_it(tmp_path: Path) -> None:
