@@ -27,6 +27,7 @@ from client.local_cluster import LocalCluster
 from client.report import follow, model_of, print_summary
 from client.sdk import Client, run_spec
 from client.usage import Count, FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
+from gradps import run_figures
 from gradps.auth.certs import certs
 from gradps.auth.client_tokens import read_token_file
 from gradps.auth.options import client_tls_options, use_client_tls
@@ -553,7 +554,7 @@ def runs(coordinator: str, as_json: bool) -> None:
     # The id is what `stop` and `export` take: never cut, whatever the terminal's width.
     table.columns.insert(0, Column("run", no_wrap=True, min_width=max((len(r.run_id) for r in all_runs), default=3)))
     for r in all_runs:
-        accuracies = [m.test_accuracy for m in r.latest if m.test_accuracy >= 0]
+        accuracy = run_figures.test_accuracy(r.latest)
         table.add_row(
             r.run_id,
             cpb.RunState.Name(r.state).removeprefix("RUN_STATE_").lower(),
@@ -561,7 +562,7 @@ def runs(coordinator: str, as_json: bool) -> None:
             model_of(r.spec),
             str(r.spec.workers),
             str(max((m.step for m in r.latest), default=0)),
-            f"{accuracies[-1]:.4f}" if accuracies else "-",
+            f"{accuracy:.4f}" if accuracy is not None else "-",
             # A pending run says what it waits for; an ended one why it failed or stopped.
             Text(r.pending_reason if r.state == cpb.RUN_STATE_PENDING else r.message),
         )

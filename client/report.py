@@ -17,9 +17,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from client import run_figures
 from client.sdk import Client, GradpsError
 from client.tensorboard import RunBoard
+from gradps import run_figures
 from gradps.codecs import format_codec
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
@@ -33,9 +33,10 @@ def model_of(spec: run_pb2.RunSpec) -> str:
     return f"script:{spec.script}" if spec.script else spec.model
 
 
-def summarize(run: cpb.RunStatus, final: cpb.Metrics | None, shards: int) -> dict[str, Any]:
-    """The numbers a user compares runs by, from the run's last status (client.run_figures)."""
+def summarize(run: cpb.RunStatus, shards: int) -> dict[str, Any]:
+    """The numbers a user compares runs by, from the run's last status (gradps.run_figures)."""
     latest = list(run.latest)
+    final = run_figures.final_report(latest)
     wall = (run.finished_at or run.started_at) - run.started_at if run.started_at else 0.0
     rates = run_figures.rates_by_rank(latest)
     return {
@@ -100,14 +101,6 @@ def metrics_row(m: cpb.Metrics) -> dict[str, Any]:
     return row
 
 
-def _as_final(m: cpb.Metrics) -> tuple[bool, bool]:
-    """How well a done report stands for the run's final accuracy: best, one whose model is the
-    one the run ends with and exports (Metrics.final_model: under asgd and ssp, a worker that
-    finished before another's last push evaluated a snapshot), rank 0's first among those; rank
-    0's where none is."""
-    return m.final_model, m.rank == 0
-
-
 def follow(
     client: Client,
     run_id: str,
@@ -123,7 +116,6 @@ def follow(
     board = RunBoard(tensorboard) if tensorboard is not None else None
     console = console or Console(stderr=True)
     shards = len(client.cluster().shards)
-    final: cpb.Metrics | None = None
     curve: list[dict[str, Any]] = []
     run = client.run(run_id).run
     with (
@@ -148,8 +140,6 @@ def follow(
                     if m.test_accuracy >= 0:
                         accuracy = m.test_accuracy
                         curve.append({"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy})
-                    if m.done and m.test_accuracy >= 0 and (final is None or _as_final(m) > _as_final(final)):
-                        final = m
                 _show(progress, task, run, accuracy)
                 if run.state in _ENDED:
                     break
@@ -159,7 +149,7 @@ def follow(
         finally:
             if board is not None:
                 board.close()
-    summary = summarize(run, final, shards)
+    summary = summarize(run, shards)
     summary["accuracy_curve"] = curve
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -2,14 +2,14 @@
 
 One TensorBoard run per gradps run (DIR/<name>): the run's loss, test accuracy, samples/s (in
 all and by rank, where a straggler shows), mean staleness of its pushes and the fraction of time
-its workers waited, each at the step the workers had reached on average (client.run_figures).
+its workers waited, each at the step the workers had reached on average (gradps.run_figures).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from client import run_figures
+from gradps import run_figures
 from gradps.v1 import coordinator_pb2 as cpb
 
 

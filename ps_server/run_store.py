@@ -34,6 +34,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from gradps import run_figures
 from gradps.errors import DataLost
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2, shard_pb2
@@ -444,12 +445,11 @@ def _bare(status: cpb.RunStatus) -> bytes:
 def _summary(latest: Iterable[cpb.Metrics]) -> dict[str, float | None]:
     """The summary columns from the workers' latest reports, as `gradps runs` shows them."""
     reports = list(latest)
-    accuracies = [m.test_accuracy for m in reports if m.test_accuracy >= 0]
     return {
         "steps": max((m.step for m in reports), default=0),
         "samples": sum(m.samples for m in reports),
-        "loss": sum(m.loss for m in reports) / len(reports) if reports else None,
-        "test_accuracy": accuracies[-1] if accuracies else None,
+        "loss": run_figures.mean_loss(reports),
+        "test_accuracy": run_figures.test_accuracy(reports),
         "bytes_pushed": sum(m.bytes_pushed for m in reports),
         "bytes_pulled": sum(m.bytes_pulled for m in reports),
     }

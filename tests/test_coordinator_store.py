@@ -154,6 +154,9 @@ def test_a_killed_coordinator_takes_its_runs_back_from_its_state_dir(cluster: Se
         ]
         history = _events(address, completed)
         assert len(history) >= 4 and history[-1].run.state == cpb.RUN_STATE_COMPLETED
+        stored = "SELECT steps, test_accuracy FROM runs WHERE run_id = ?"
+        with sqlite3.connect(cluster.tmp / "state" / DB_NAME) as db:  # the columns for the sqlite3 shell
+            assert db.execute(stored, (completed,)).fetchall() == [(3, 0.875)]
         a_id, c_id, d_id = a.worker_id, c.worker_id, d.worker_id
 
         cluster.kill_coordinator()

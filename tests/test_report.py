@@ -15,6 +15,7 @@ from rich.console import Console
 from client.local_cluster import LocalCluster
 from client.report import follow, print_summary, run_progress, summarize
 from client.sdk import Client
+from gradps import run_figures
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
 
@@ -68,7 +69,7 @@ def test_the_progress_line_fits_80_columns_with_steps_time_and_eta() -> None:
 
 def test_the_summary_reads_in_human_units_and_a_failed_run_gives_its_reason() -> None:
     out = io.StringIO()
-    print_summary(summarize(_run(cpb.RUN_STATE_COMPLETED, 600), None, 2), Console(file=out, width=80))
+    print_summary(summarize(_run(cpb.RUN_STATE_COMPLETED, 600), 2), Console(file=out, width=80))
     text = out.getvalue()
     assert "12.5 s" in text and "12.0 MiB pushed, 20.0 MiB pulled" in text
     assert "staleness" not in text and "test accuracy" not in text  # never pushed stale, never evaluated
@@ -77,13 +78,35 @@ def test_the_summary_reads_in_human_units_and_a_failed_run_gives_its_reason() ->
 
     out = io.StringIO()
     failed = _run(cpb.RUN_STATE_FAILED, 0, message="worker 1: dataset 'nope' is not one of digits, ...")
-    print_summary(summarize(failed, None, 2), Console(file=out, width=80))
+    print_summary(summarize(failed, 2), Console(file=out, width=80))
     text = out.getvalue()
     assert "failed" in text and "reason" in text and "dataset 'nope'" in text
     assert "samples/s" not in text and "traffic" not in text and "0.0000" not in text
 
 
 @pytest.mark.slow
+def _done(rank: int, accuracy: float, final_model: bool = False) -> cpb.Metrics:
+    return cpb.Metrics(worker_id=rank + 7, rank=rank, done=True, test_accuracy=accuracy, final_model=final_model)
+
+
+def test_the_final_accuracy_is_the_final_models_and_rank_0s_where_no_report_holds_it() -> None:
+    # asgd: rank 0 finished first and evaluated a snapshot; rank 1 pulled after every last push.
+    snapshot, final = _done(0, 0.80), _done(1, 0.95, final_model=True)
+    assert run_figures.final_report([snapshot, final]) is final
+    assert run_figures.test_accuracy([snapshot, final]) == 0.95
+    # sync: every replica holds the final model, rank 0's stands for them.
+    assert run_figures.final_report([_done(1, 0.91, True), _done(0, 0.9, True)]).rank == 0
+    # No report says it holds the final model (an old worker): rank 0's, as before.
+    assert run_figures.test_accuracy([_done(1, 0.7), _done(0, 0.8)]) == 0.8
+    # Running: only rank 0 evaluates, its latest evaluation is the run's.
+    running = [cpb.Metrics(rank=0, test_accuracy=0.5), cpb.Metrics(rank=1, test_accuracy=-1.0)]
+    assert run_figures.final_report(running) is None and run_figures.test_accuracy(running) == 0.5
+    assert run_figures.test_accuracy([cpb.Metrics(rank=0, test_accuracy=-1.0)]) is None
+    # The summary and `gradps runs` read the same report.
+    status = cpb.RunStatus(run_id="r", state=cpb.RUN_STATE_COMPLETED, latest=[snapshot, final])
+    assert summarize(status, 2)["final_test_accuracy"] == 0.95
+
+
 def test_a_worker_that_dies_mid_run_is_announced(tmp_path: Path) -> None:
     out = io.StringIO()
     console = Console(file=out, width=80)

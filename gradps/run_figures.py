@@ -1,5 +1,6 @@
 """The figures users compare runs by, from the workers' latest reports: one definition each, for
-the progress bar, the summary, the comparison tables and TensorBoard alike."""
+the progress bar, the summary, the comparison tables, TensorBoard, `gradps runs` and the
+coordinator's run store alike."""
 
 from __future__ import annotations
 
@@ -38,3 +39,22 @@ def mean_step(latest: Sequence[cpb.Metrics]) -> float:
 
 def mean_loss(latest: Sequence[cpb.Metrics]) -> float | None:
     return sum(m.loss for m in latest) / len(latest) if latest else None
+
+
+def final_report(latest: Sequence[cpb.Metrics]) -> cpb.Metrics | None:
+    """The done report whose test accuracy is the run's final one: one that evaluated the model
+    the run ends with and exports (Metrics.final_model; under asgd and ssp a worker that finished
+    before another's last push evaluated a snapshot), rank 0's first among those; rank 0's where
+    none did. None before a done report with an evaluation."""
+    done = [m for m in latest if m.done and m.test_accuracy >= 0]
+    return max(done, key=lambda m: (m.final_model, m.rank == 0), default=None)
+
+
+def test_accuracy(latest: Sequence[cpb.Metrics]) -> float | None:
+    """The run's test accuracy as listings show it: the final report's once there is one, else
+    the last evaluation among the reports (rank 0's: the only rank that evaluates before its end);
+    None when nothing was evaluated."""
+    if (final := final_report(latest)) is not None:
+        return final.test_accuracy
+    evaluated = [m.test_accuracy for m in latest if m.test_accuracy >= 0]
+    return evaluated[-1] if evaluated else None
