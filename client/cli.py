@@ -554,7 +554,7 @@ def runs(coordinator: str, as_json: bool) -> None:
     # The id is what `stop` and `export` take: never cut, whatever the terminal's width.
     table.columns.insert(0, Column("run", no_wrap=True, min_width=max((len(r.run_id) for r in all_runs), default=3)))
     for r in all_runs:
-        accuracy = run_figures.test_accuracy(r.latest)
+        accuracy = run_figures.latest_test_accuracy(r.latest)
         table.add_row(
             r.run_id,
             cpb.RunState.Name(r.state).removeprefix("RUN_STATE_").lower(),

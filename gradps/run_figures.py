@@ -50,7 +50,7 @@ def final_report(latest: Sequence[cpb.Metrics]) -> cpb.Metrics | None:
     return max(done, key=lambda m: (m.final_model, m.rank == 0), default=None)
 
 
-def test_accuracy(latest: Sequence[cpb.Metrics]) -> float | None:
+def latest_test_accuracy(latest: Sequence[cpb.Metrics]) -> float | None:
     """The run's test accuracy as listings show it: the final report's once there is one, else
     the last evaluation among the reports (rank 0's: the only rank that evaluates before its end);
     None when nothing was evaluated."""

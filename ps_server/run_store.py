@@ -449,7 +449,7 @@ def _summary(latest: Iterable[cpb.Metrics]) -> dict[str, float | None]:
         "steps": max((m.step for m in reports), default=0),
         "samples": sum(m.samples for m in reports),
         "loss": run_figures.mean_loss(reports),
-        "test_accuracy": run_figures.test_accuracy(reports),
+        "test_accuracy": run_figures.latest_test_accuracy(reports),
         "bytes_pushed": sum(m.bytes_pushed for m in reports),
         "bytes_pulled": sum(m.bytes_pulled for m in reports),
     }

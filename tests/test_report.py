@@ -93,15 +93,15 @@ def test_the_final_accuracy_is_the_final_models_and_rank_0s_where_no_report_hold
     # asgd: rank 0 finished first and evaluated a snapshot; rank 1 pulled after every last push.
     snapshot, final = _done(0, 0.80), _done(1, 0.95, final_model=True)
     assert run_figures.final_report([snapshot, final]) is final
-    assert run_figures.test_accuracy([snapshot, final]) == 0.95
+    assert run_figures.latest_test_accuracy([snapshot, final]) == 0.95
     # sync: every replica holds the final model, rank 0's stands for them.
     assert run_figures.final_report([_done(1, 0.91, True), _done(0, 0.9, True)]).rank == 0
     # No report says it holds the final model (an old worker): rank 0's, as before.
-    assert run_figures.test_accuracy([_done(1, 0.7), _done(0, 0.8)]) == 0.8
+    assert run_figures.latest_test_accuracy([_done(1, 0.7), _done(0, 0.8)]) == 0.8
     # Running: only rank 0 evaluates, its latest evaluation is the run's.
     running = [cpb.Metrics(rank=0, test_accuracy=0.5), cpb.Metrics(rank=1, test_accuracy=-1.0)]
-    assert run_figures.final_report(running) is None and run_figures.test_accuracy(running) == 0.5
-    assert run_figures.test_accuracy([cpb.Metrics(rank=0, test_accuracy=-1.0)]) is None
+    assert run_figures.final_report(running) is None and run_figures.latest_test_accuracy(running) == 0.5
+    assert run_figures.latest_test_accuracy([cpb.Metrics(rank=0, test_accuracy=-1.0)]) is None
     # The summary and `gradps runs` read the same report.
     status = cpb.RunStatus(run_id="r", state=cpb.RUN_STATE_COMPLETED, latest=[snapshot, final])
     assert summarize(status, 2)["final_test_accuracy"] == 0.95
