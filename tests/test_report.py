@@ -84,7 +84,6 @@ def test_the_summary_reads_in_human_units_and_a_failed_run_gives_its_reason() ->
     assert "samples/s" not in text and "traffic" not in text and "0.0000" not in text
 
 
-@pytest.mark.slow
 def _done(rank: int, accuracy: float, final_model: bool = False) -> cpb.Metrics:
     return cpb.Metrics(worker_id=rank + 7, rank=rank, done=True, test_accuracy=accuracy, final_model=final_model)
 
@@ -107,6 +106,7 @@ def test_the_final_accuracy_is_the_final_models_and_rank_0s_where_no_report_hold
     assert summarize(status, 2)["final_test_accuracy"] == 0.95
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_mid_run_is_announced(tmp_path: Path) -> None:
     out = io.StringIO()
     console = Console(file=out, width=80)
