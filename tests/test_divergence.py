@@ -16,6 +16,9 @@ from gradps.divergence import MAX_PUSH_STEP, known_to_diverge
         # lr 0.1 with momentum 0.9 moves 0.25 per push with 4 workers: diverged on digits.
         ("asgd", {"lr": 0.1, "momentum": 0.9}, "asgd moves the model 0.25 per push"),
         ("ssp", {"lr": 0.5}, "--lr 0.2 or less"),
+        # n_push 4 pushes 4 gradients summed: 0.8 per push at lr 0.2, which ended at 48%.
+        ("asgd", {"lr": 0.2, "n_push": 4}, "0.8 per push (4 summed gradients times lr/(1-momentum)"),
+        ("asgd", {"lr": 0.2, "n_push": 4}, "--lr 0.15 or less"),
         ("pseudosync", {"lr": 0.05, "momentum": 0.9, "fixed_alpha": True}, "drop --fixed-alpha"),
         ("pseudosync", {"optimizer": "adam", "lr": 0.001, "fixed_alpha": True, "alpha": 0.3}, "--alpha 0.3"),
     ],
@@ -30,6 +33,8 @@ def test_a_setting_known_to_diverge_is_one_line_naming_what_to_change(scheme, op
     [
         ("asgd", {"lr": 0.05, "momentum": 0.9}),  # DDP's usual setting: 0.125 per push, trains
         ("asgd", {"lr": 0.2}),  # the default: exactly the largest step that trained
+        ("asgd", {"lr": 0.3, "n_push": 2}),  # 0.6 per push, summed: reached 97%
+        ("ssp", {"lr": 0.2, "n_push": 4}),  # ssp pushes every step: n_push is asgd's alone
         ("asgd", {"optimizer": "adam", "lr": 0.001}),
         ("sync", {"lr": 0.5, "momentum": 0.9}),  # sync trained at this setting
         ("pseudosync", {"lr": 0.05, "momentum": 0.9}),  # adaptive: passes G through with momentum
