@@ -250,10 +250,14 @@ class LocalCluster:
         """The local service's name as its log file has it ("shard-0"), for messages."""
         return self._names.get(process.pid, f"process {process.pid}")
 
+    def _log_lines(self, process: subprocess.Popen) -> list[str]:
+        """The lines of a local service's log; none before it has one."""
+        path = self.log_dir / f"{self._name(process)}.log"
+        return path.read_text(errors="replace").splitlines() if path.exists() else []
+
     def _refusal(self, process: subprocess.Popen) -> str:
         """A service's one-line refusal (`Error: ...`, click's), when its log ends with one."""
-        path = self.log_dir / f"{self._name(process)}.log"
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        lines = self._log_lines(process)
         return f" ({lines[-1]})" if lines and lines[-1].startswith("Error: ") else ""
 
     def start(self) -> LocalCluster:
@@ -428,15 +432,13 @@ class LocalCluster:
     def _say_stop_failed(self, process: subprocess.Popen, grace_s: float) -> None:
         """A warning for a service that did not stop cleanly on SIGTERM, with the end of its log
         (the folder may be a temporary one, removed now)."""
-        name = self._name(process)
         how = (
             f"did not stop within {grace_s:.0f} s of SIGTERM and was killed"
             if process.returncode == -signal.SIGKILL
             else f"exited with {process.returncode} when stopped"
         )
-        path = self.log_dir / f"{name}.log"
-        tail = path.read_text(errors="replace").splitlines()[-5:] if path.exists() else []
-        _LOGGER.warning("local cluster: %s %s; its log ends:\n%s", name, how, "\n".join(tail))
+        tail = "\n".join(self._log_lines(process)[-5:])
+        _LOGGER.warning("local cluster: %s %s; its log ends:\n%s", self._name(process), how, tail)
 
     def __enter__(self) -> LocalCluster:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gradps.v1 import shard_pb2
 from ps_server.run_state import Part, RunState
+from ps_server.saved_state import Saved
 from ps_server.schemes.asgd import AsgdRule
 
 
@@ -14,6 +15,13 @@ class SspRule(AsgdRule):
     def __init__(self, run: RunState) -> None:
         super().__init__(run)
         self.staleness = run.spec.scheme_params.staleness
+
+    def load(self, saved: Saved) -> None:
+        # asgd takes a checkpoint without clocks (one written before asgd kept them); ssp's
+        # bound needs them, and its checkpoints always held them.
+        if "clock" not in saved.fields:
+            raise KeyError("clock")
+        super().load(saved)
 
     def pull_ready(self, parts: list[Part], request: shard_pb2.PullRequest) -> bool:
         return super().pull_ready(parts, request) and self.slowest_clock() >= request.clock - self.staleness
