@@ -26,6 +26,7 @@ from client.links import Links
 from client.local_cluster import LocalCluster
 from client.report import follow, model_of, print_summary
 from client.sdk import Client, run_spec
+from client.unread_options import LOCAL_OPTIONS, RUN_OPTIONS, refuse_unread, run_option_uses
 from client.usage import Count, FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
 from gradps import run_figures
 from gradps.auth.certs import certs
@@ -271,7 +272,7 @@ def _local_tls_option(fn: F) -> F:
     metavar="RUN",
     default=None,
     help="Take up the failed or stopped run RUN again, on the cluster that ran it (--coordinator), from its "
-    "newest step checkpointed on every shard; it keeps its own spec (run options are ignored).",
+    "newest step checkpointed on every shard; it keeps its own spec (run options are refused).",
 )
 @one_line_errors
 def train(
@@ -298,7 +299,10 @@ def train(
         raise click.UsageError("give exactly one of --local or --coordinator HOST:PORT (or GRADPS_COORDINATOR)")
     if tls and not local:
         raise click.UsageError(_TLS_NOT_LOCAL)
+    ctx = click.get_current_context()
+    refuse_unread(ctx, {} if local else dict.fromkeys(LOCAL_OPTIONS, "--local only"))
     if resume is not None:
+        refuse_unread(ctx, dict.fromkeys([*RUN_OPTIONS, *options], "a resumed run keeps its own spec"))
         if local:
             raise click.UsageError(
                 "--resume takes up a run on the cluster that ran it (--coordinator): --local keeps none"
@@ -311,6 +315,7 @@ def train(
         if summary["state"] != "completed":
             raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
         return
+    refuse_unread(ctx, run_option_uses(options, [scheme]), f"this {scheme} run")
     spec = build_spec(scheme, workers, **options)
     if checkpoint_every:
         spec.checkpoint_every_steps, spec.checkpoint_every_seconds = checkpoint_every
@@ -752,6 +757,11 @@ def compare(
     coordinator = _chosen_coordinator(local, coordinator)
     if link and coordinator:
         raise click.UsageError("--link emulates the embedded cluster's hosts: it does not apply with --coordinator")
+    ctx = click.get_current_context()
+    # --device is also the DDP baseline's, which runs on this machine.
+    embedded_only = [n for n in LOCAL_OPTIONS if not (n == "device" and baseline != "none")] if coordinator else []
+    refuse_unread(ctx, dict.fromkeys(embedded_only, "--local only") | ({} if link else {"layout": "--link only"}))
+    refuse_unread(ctx, run_option_uses(o, names), "these runs")
     hosts = Layout.named(layout, shards, workers)
     try:  # a bad --link: a usage error, before any run
         links = Links([link], hosts.hosts) if link else None

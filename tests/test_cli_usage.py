@@ -21,6 +21,8 @@ from click.testing import CliRunner
 from client.cli import cli
 from client.local_cluster import LocalCluster
 from client.sdk import Client, GradpsError
+from client.unread_options import run_option_uses
+from gradps.schemes import PARAMS, SCHEMES
 from gradps.v1 import coordinator_pb2 as cpb
 from tests.services import Services, free_ports
 
@@ -45,9 +47,32 @@ def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["bench", "step", "--scheme", "bogus"], "'bogus' is not one of"),
         (["train", "--local", "--seed", str(2**64)], "is not in the range 0<=x<=18446744073709551615"),
         (["up", "--workers", "300"], "more than the 256 processes a local cluster starts"),
-        # --device is the embedded cluster's: with --coordinator it is not checked against this host.
+        # An option the run would not read is refused, naming what it applies to.
         (
-            ["train", "--coordinator", "127.0.0.1:1", "--device", "cuda", "--out", str(tmp / "run")],
+            ["train", "--coordinator", "127.0.0.1:1", "--device", "cuda", "--shards", "3"],
+            "this run would ignore --shards (--local only), --device (--local only)",
+        ),
+        (["train", "--local", "--scheme", "sync", "--tau", "4"], "this sync run would ignore --tau (wagma only)"),
+        (
+            ["train", "--local", "--scheme", "ssp", "--n-push", "2", "--gamma", "0.5"],
+            "this ssp run would ignore --gamma (--schedule step only), --n-push (asgd only)",
+        ),
+        (["train", "--local", "--optimizer", "adam", "--nesterov"], "ignore --nesterov (--optimizer sgd only)"),
+        (["train", "--local", "--dataset-size", "500"], "ignore --dataset-size (digits has a fixed size)"),
+        (
+            ["train", "--coordinator", "127.0.0.1:1", "--resume", "r-1", "--lr", "0.1"],
+            "ignore --lr (a resumed run keeps its own spec)",
+        ),
+        (["compare", "--schemes", "sync,asgd", "--tau", "3"], "these runs would ignore --tau (wagma only)"),
+        (["compare", "--hosts", "separate"], "ignore --hosts (--link only)"),
+        (
+            ["launch", "--scheme", "asgd", "--staleness", "3", str(a_file)],
+            "this asgd run would ignore --staleness (ssp only)",
+        ),
+        (["launch", "--coordinator", "127.0.0.1:1", "--device", "cpu", str(a_file)], "--device (a local cluster only)"),
+        # ... and one it reads is not: this run gets as far as the coordinator.
+        (
+            ["train", "--coordinator", "127.0.0.1:1", "--scheme", "wagma", "--tau", "3", "--out", str(tmp / "run")],
             "no coordinator reachable at 127.0.0.1:1",
         ),
     ]
@@ -310,6 +335,22 @@ def test_up_started_in_the_background_stops_on_sigint_and_logs_in_its_state_dir(
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_a_run_option_is_unread_only_where_no_chosen_scheme_or_setting_reads_it() -> None:
+    reads_all = {"schedule": "step", "optimizer": "sgd", "dataset": "synthetic-images"}
+    assert run_option_uses(reads_all, list(SCHEMES)) == {}
+    assert set(run_option_uses(reads_all, ["wagma"])) == set(PARAMS) - {"group_size", "tau"}
+    assert "n_push" in run_option_uses(reads_all, ["sync", "ssp"])
+    assert "staleness_lr" not in run_option_uses(reads_all, ["sync", "ssp"])  # ssp reads it
+    plain = run_option_uses({"schedule": "cosine", "optimizer": "adamw", "dataset": "digits"}, list(SCHEMES))
+    assert plain == {
+        "step_size": "--schedule step only",
+        "gamma": "--schedule step only",
+        "momentum": "--optimizer sgd only",
+        "nesterov": "--optimizer sgd only",
+        "dataset_size": "digits has a fixed size",
+    }
 
 
 def test_train_help_is_sectioned_common_options_first_without_wire_bounds() -> None:
