@@ -566,7 +566,7 @@ def runs(coordinator: str, as_json: bool) -> None:
             r.spec.scheme,
             model_of(r.spec),
             str(r.spec.workers),
-            str(max((m.step for m in r.latest), default=0)),
+            str(run_figures.highest_step(r.latest)),
             f"{accuracy:.4f}" if accuracy is not None else "-",
             # A pending run says what it waits for; an ended one why it failed or stopped.
             Text(r.pending_reason if r.state == cpb.RUN_STATE_PENDING else r.message),

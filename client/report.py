@@ -50,7 +50,7 @@ def summarize(run: cpb.RunStatus, shards: int) -> dict[str, Any]:
         "workers": run.spec.workers,
         "dead_workers": list(run.dead_workers),
         "shards": shards,
-        "steps": max((m.step for m in latest), default=0),
+        "steps": run_figures.highest_step(latest),
         "total_steps": run.total_steps,
         "wall_seconds": round(wall, 3),
         "samples_per_second": round(sum(rates.values()), 1),
@@ -182,7 +182,7 @@ class _Notices:
             )
         for rank, worker_id in enumerate(run.workers):
             if rank < len(self.workers) and self.workers[rank] != worker_id and worker_id not in self.dead:
-                step = max((m.step for m in run.latest), default=0)
+                step = run_figures.highest_step(run.latest)
                 self.console.print(f"[green]worker {worker_id} joined in rank {rank}, near step {step}")
         self.workers = list(run.workers)
         if run.scaled_to != self.scaled_to:

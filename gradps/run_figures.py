@@ -33,6 +33,11 @@ def wait_fraction(latest: Sequence[cpb.Metrics]) -> float | None:
     return sum(m.wait_s for m in latest) / busy if busy > 0 else None
 
 
+def highest_step(latest: Sequence[cpb.Metrics]) -> int:
+    """How far the run got, as listings show it: the furthest step a worker reported."""
+    return max((m.step for m in latest), default=0)
+
+
 def mean_step(latest: Sequence[cpb.Metrics]) -> float:
     return sum(m.step for m in latest) / len(latest) if latest else 0.0
 

@@ -446,7 +446,7 @@ def _summary(latest: Iterable[cpb.Metrics]) -> dict[str, float | None]:
     """The summary columns from the workers' latest reports, as `gradps runs` shows them."""
     reports = list(latest)
     return {
-        "steps": max((m.step for m in reports), default=0),
+        "steps": run_figures.highest_step(reports),
         "samples": sum(m.samples for m in reports),
         "loss": run_figures.mean_loss(reports),
         "test_accuracy": run_figures.latest_test_accuracy(reports),

@@ -51,6 +51,7 @@ def test_link_rates_parse_with_per_host_overrides():
         (["--link=10gbit,host9=1gbit"], "there are 2 hosts"),
         (["--link=10gbit", "--transport=stream"], "--transport does not apply with --link"),
         (["--link=10gbit", "--hosts=rack"], "unknown value 'rack'"),
+        (["--hosts=separate"], "this bench would ignore --hosts (--link only)"),
     ],
 )
 def test_bench_refuses_a_bad_link_in_one_line(args, message):

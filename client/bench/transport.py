@@ -32,6 +32,7 @@ from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.links import Links
 from client.local_cluster import LocalCluster
+from client.unread_options import refuse_unread
 from client.usage import one_line_errors, output_file
 from gradps.device import device_option
 from gradps.netem import LAYOUTS, Layout, parse_links
@@ -433,6 +434,7 @@ def transport(
     """Push + pull through real shard processes beside loopback TCP and gloo all_reduce."""
     if any(s <= 0 for s in sizes):
         raise click.BadParameter("sizes must be positive", param_hint="--sizes")
+    refuse_unread(click.get_current_context(), {} if links else {"layouts": "--link only"}, "this bench")
     console = Console(stderr=True)
     if links:
         _check_links(links, transports, max(shards_list), max(workers_list), layouts)
