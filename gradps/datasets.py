@@ -18,7 +18,14 @@ import torch.nn.functional as F
 
 TASKS = ("classification", "language_model")
 
-_BUILTIN_NAMES = ("digits", "synthetic-images", "synthetic-tokens", "synthetic-tokens-varlen")
+# The built-in datasets and the task of each, known without loading one (a run's spec is checked
+# against its model's task when it is submitted).
+BUILTIN_TASKS = {
+    "digits": "classification",
+    "synthetic-images": "classification",
+    "synthetic-tokens": "language_model",
+    "synthetic-tokens-varlen": "language_model",
+}
 _DIGITS_TEST_FRACTION = 0.2
 # Fixed regardless of the caller's seed: every process must see the same train/test split.
 _DIGITS_SPLIT_SEED = 0
@@ -87,7 +94,7 @@ class Dataset:
 
 def builtin_dataset_names() -> list[str]:
     """Names `load_dataset` accepts besides a `"package.module:function"` import path."""
-    return list(_BUILTIN_NAMES)
+    return list(BUILTIN_TASKS)
 
 
 def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collection[str] | None = None) -> Dataset:
@@ -106,7 +113,7 @@ def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collecti
     """
     if size < 0:
         raise ValueError(f"size must be >= 0 (0 means the dataset's default), got {size}")
-    if name in _BUILTIN_NAMES:
+    if name in BUILTIN_TASKS:
         return _load_builtin(name, size, seed)
     if ":" in name:
         check_import_allowed(name, allow_import)
@@ -114,14 +121,14 @@ def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collecti
             factory = resolve_import_path(name)
         except ValueError as err:
             raise ValueError(
-                f"cannot load dataset {name!r}: {err}; built-in datasets: {', '.join(_BUILTIN_NAMES)}"
+                f"cannot load dataset {name!r}: {err}; built-in datasets: {', '.join(BUILTIN_TASKS)}"
             ) from err
         dataset = factory(size, seed)
         if not isinstance(dataset, Dataset):
             raise TypeError(f"dataset function {name!r} returned {type(dataset).__name__}, expected a Dataset")
         return dataset
     raise ValueError(
-        f"unknown dataset {name!r}: expected one of {', '.join(_BUILTIN_NAMES)} or 'package.module:function'"
+        f"unknown dataset {name!r}: expected one of {', '.join(BUILTIN_TASKS)} or 'package.module:function'"
     )
 
 
@@ -205,7 +212,7 @@ def _digits() -> Dataset:
         train_y=torch.from_numpy(train_y),
         test_x=torch.from_numpy(test_x),
         test_y=torch.from_numpy(test_y),
-        task="classification",
+        task=BUILTIN_TASKS["digits"],
         input_shape=(64,),
         num_classes=10,
     )
@@ -234,7 +241,7 @@ def _synthetic_images(n_train: int, n_test: int, seed: int) -> Dataset:
         train_y=train_y,
         test_x=test_x,
         test_y=test_y,
-        task="classification",
+        task=BUILTIN_TASKS["synthetic-images"],
         input_shape=_IMAGE_SHAPE,
         num_classes=_IMAGE_CLASSES,
     )
@@ -271,7 +278,7 @@ def _synthetic_tokens(n_train: int, n_test: int, seed: int) -> Dataset:
         train_y=train[:, 1:].contiguous(),
         test_x=test[:, :-1].contiguous(),
         test_y=test[:, 1:].contiguous(),
-        task="language_model",
+        task=BUILTIN_TASKS["synthetic-tokens"],
         input_shape=(_TOKEN_SEQ_LEN,),
         num_classes=_TOKEN_VOCAB,
     )
@@ -304,7 +311,7 @@ def _synthetic_tokens_varlen(n_train: int, n_test: int, seed: int) -> Dataset:
         train_y=train_y,
         test_x=test_x,
         test_y=test_y,
-        task="language_model",
+        task=BUILTIN_TASKS["synthetic-tokens-varlen"],
         input_shape=(_VARLEN_MAX,),
         num_classes=_TOKEN_VOCAB,
     )

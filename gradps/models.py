@@ -164,33 +164,45 @@ def _image_shape(dataset: Dataset) -> tuple[int, int, int]:
     raise ValueError(f"dataset {dataset.name!r}: input_shape {shape} is not (C, H, W), (H, W) or a flat square image")
 
 
-def _require_task(model: str, dataset: Dataset, task: str) -> None:
-    if dataset.task != task:
-        raise ValueError(f"model {model!r} needs a {task} dataset, but {dataset.name!r} is {dataset.task}")
+def check_task(model: str, dataset: str, task: str) -> None:
+    """ValueError unless the built-in `model` is for datasets of `task` (that of `dataset`)."""
+    if MODEL_TASKS[model] != task:
+        raise ValueError(f"model {model!r} needs a {MODEL_TASKS[model]} dataset, but {dataset!r} is {task}")
+
+
+def _require_task(model: str, dataset: Dataset) -> None:
+    check_task(model, dataset.name, dataset.task)
 
 
 def _build_mlp(dataset: Dataset) -> nn.Module:
-    _require_task("mlp", dataset, "classification")
+    _require_task("mlp", dataset)
     return MLP(math.prod(dataset.input_shape), dataset.num_classes)
 
 
 def _build_cnn(dataset: Dataset) -> nn.Module:
-    _require_task("cnn", dataset, "classification")
+    _require_task("cnn", dataset)
     return ConvNet(_image_shape(dataset), dataset.num_classes)
 
 
 def _build_resnet18(dataset: Dataset) -> nn.Module:
-    _require_task("resnet18", dataset, "classification")
+    _require_task("resnet18", dataset)
     return ResNet18(_image_shape(dataset), dataset.num_classes)
 
 
 def _build_transformer(dataset: Dataset) -> nn.Module:
-    _require_task("transformer", dataset, "language_model")
+    _require_task("transformer", dataset)
     if len(dataset.input_shape) != 1:
         raise ValueError(f"model 'transformer' needs (T,) token sequences, got input_shape {dataset.input_shape}")
     return CausalTransformer(dataset.num_classes, dataset.input_shape[0])
 
 
+# The task of the datasets each built-in model is for.
+MODEL_TASKS = {
+    "mlp": "classification",
+    "cnn": "classification",
+    "resnet18": "classification",
+    "transformer": "language_model",
+}
 _BUILDERS: dict[str, Callable[[Dataset], nn.Module]] = {
     "mlp": _build_mlp,
     "cnn": _build_cnn,

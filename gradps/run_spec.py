@@ -7,6 +7,8 @@ import math
 
 from gradps.channel import MAX_PART_BYTES
 from gradps.codecs import CodecError, get_codec, get_pull_codec
+from gradps.datasets import BUILTIN_TASKS
+from gradps.models import MODEL_TASKS, check_task
 from gradps.optimizer import validate as validate_optimizer
 from gradps.placement import DEFAULT_PART_SIZE
 from gradps.schemes import DEFAULT_SCHEME, default_params, fill_unset, get_scheme, validate_params
@@ -84,11 +86,27 @@ def validate(spec: run_pb2.RunSpec) -> None:
     _validate_codecs(spec)
     _validate_slowdowns(spec)
     validate_params(spec.scheme_params)
+    _validate_model_and_dataset(spec)
     if spec.scheme_params.backup_workers >= spec.workers:  # every step needs one gradient at least
         raise ValueError(
             f"backup_workers (--backup-workers) must be below workers={spec.workers}, "
             f"got {spec.scheme_params.backup_workers}"
         )
+
+
+def _validate_model_and_dataset(spec: run_pb2.RunSpec) -> None:
+    """Built-in names known, and a built-in model given a built-in dataset of its task; import paths
+    (package.module:function) are resolved by the workers."""
+    if ":" not in spec.model and spec.model not in MODEL_TASKS:
+        raise ValueError(
+            f"unknown model {spec.model!r}; choose one of {', '.join(MODEL_TASKS)} or package.module:function"
+        )
+    if ":" not in spec.dataset and spec.dataset not in BUILTIN_TASKS:
+        raise ValueError(
+            f"unknown dataset {spec.dataset!r}; choose one of {', '.join(BUILTIN_TASKS)} or package.module:function"
+        )
+    if spec.model in MODEL_TASKS and spec.dataset in BUILTIN_TASKS:
+        check_task(spec.model, spec.dataset, BUILTIN_TASKS[spec.dataset])
 
 
 def _validate_sizes(spec: run_pb2.RunSpec) -> None:

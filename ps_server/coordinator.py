@@ -254,7 +254,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         spec = with_defaults(request.spec)
         try:
             validate(spec)
-            _check_model_and_dataset(spec)
         except ValueError as e:
             raise Invalid(str(e)) from None
         _check_imports_allowed(spec, self.allow_import)
@@ -1314,22 +1313,6 @@ def _state_name(record: RunRecord) -> str:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
-
-
-def _check_model_and_dataset(spec: run_pb2.RunSpec) -> None:
-    """Reject unknown built-in names early; import paths are resolved by the workers."""
-    from gradps.datasets import builtin_dataset_names
-    from gradps.models import model_names
-
-    if ":" not in spec.model and spec.model not in model_names():
-        raise ValueError(
-            f"unknown model {spec.model!r}; choose one of {', '.join(model_names())} or package.module:function"
-        )
-    if ":" not in spec.dataset and spec.dataset not in builtin_dataset_names():
-        raise ValueError(
-            f"unknown dataset {spec.dataset!r}; "
-            f"choose one of {', '.join(builtin_dataset_names())} or package.module:function"
-        )
 
 
 def _check_imports_allowed(spec: run_pb2.RunSpec, allow_import: tuple[str, ...]) -> None:

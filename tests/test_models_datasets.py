@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from gradps import datasets as datasets_module
-from gradps.datasets import Dataset, ShardSampler, builtin_dataset_names, load_dataset
+from gradps.datasets import BUILTIN_TASKS, Dataset, ShardSampler, builtin_dataset_names, load_dataset
 from gradps.evaluation import compute_loss, evaluate, loss_fn
-from gradps.models import build_model, model_names
+from gradps.models import MODEL_TASKS, build_model, model_names
+from gradps.run_spec import default_spec, validate
 
 # (model, dataset) pairs that every built-in model is exercised on; small sizes keep the tests fast.
 _MODEL_CASES = [
@@ -209,6 +210,26 @@ def test_model_rejects_a_dataset_of_the_wrong_task() -> None:
         build_model("transformer", load_dataset("digits"))
     with pytest.raises(ValueError, match="needs a classification dataset"):
         build_model("mlp", _dataset("synthetic-tokens"))
+
+
+def _validate(model: str, dataset: str) -> None:
+    spec = default_spec()
+    spec.model, spec.dataset = model, dataset
+    validate(spec)
+
+
+def test_the_tasks_a_spec_is_checked_by_are_those_of_the_models_and_datasets() -> None:
+    assert list(MODEL_TASKS) == model_names()
+    for name, task in BUILTIN_TASKS.items():
+        assert _dataset(name).task == task, name
+    for model, dataset in [("mlp", "synthetic-images"), ("transformer", "synthetic-tokens-varlen")]:
+        _validate(model, dataset)  # a pair the workers build
+        build_model(model, _dataset(dataset))
+    with pytest.raises(ValueError, match="model 'cnn' needs a classification dataset, but 'synthetic-tokens' is"):
+        _validate("cnn", "synthetic-tokens")
+    with pytest.raises(ValueError, match="unknown dataset 'mnist'; choose one of digits"):
+        _validate("mlp", "mnist")
+    _validate("pkg.mod:fn", "pkg.mod:data")  # resolved by the workers
 
 
 def test_dataset_rejects_inconsistent_tensors() -> None:

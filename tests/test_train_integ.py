@@ -71,11 +71,16 @@ def test_export_of_an_unknown_run_or_from_a_dead_shard_is_a_one_line_error(tmp_p
     assert f"shard 0 at {shard}" in str(failure.value) and "\n" not in str(failure.value)
 
 
-def test_unknown_model_is_rejected_at_submit(cluster, client):
+def test_a_model_or_dataset_the_run_cannot_use_is_rejected_at_submit(cluster, client):
     from client.sdk import GradpsError
 
+    runs = len(client.runs())
     with pytest.raises(GradpsError, match="unknown model 'nope'"):
         client.submit(_spec("sync", model="nope"))
+    # Known without loading it: the workers would fail to build this model for this dataset.
+    with pytest.raises(GradpsError, match="INVALID_ARGUMENT: model 'mlp' needs a classification dataset"):
+        client.submit(_spec("sync", model="mlp", dataset="synthetic-tokens"))
+    assert len(client.runs()) == runs
     with pytest.raises(GradpsError, match="INVALID_ARGUMENT"):
         client.submit(_spec("sync", batch_size=0, steps=0, epochs=-1))
 
