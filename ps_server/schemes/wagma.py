@@ -10,8 +10,9 @@ sum. A member that comes to a round already fixed without any deposit of its own
 its models are always older than its partners' rounds) hands in its last local step instead: the
 shard knows the model it trained from (the mix of its last deposit and answer, by the workers'
 rule), and the difference is added to the next round fixed, as a stale gradient is applied under
-asgd; its data's steps reach the group instead of being lost. Only the final global round waits
-for every live member.
+asgd; its data's steps reach the group instead of being lost. Only the global rounds the workers
+ask to wait for (the run's first, so that they start together, and its final) wait for every
+live member.
 """
 
 from __future__ import annotations
