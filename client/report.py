@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,7 @@ def follow(
     board = RunBoard(tensorboard) if tensorboard is not None else None
     console = console or Console(stderr=True)
     shards = len(client.cluster().shards)
-    curve: list[dict[str, Any]] = []
+    evaluations: list[cpb.Metrics] = []
     run = client.run(run_id).run
     with (
         open(out_dir / "metrics.jsonl", "w") as log,
@@ -139,7 +140,7 @@ def follow(
                         board.add(run, m)
                     if m.test_accuracy >= 0:
                         accuracy = m.test_accuracy
-                        curve.append({"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy})
+                        evaluations.append(m)
                 _show(progress, task, run, accuracy)
                 if run.state in _ENDED:
                     break
@@ -150,9 +151,20 @@ def follow(
             if board is not None:
                 board.close()
     summary = summarize(run, shards)
-    summary["accuracy_curve"] = curve
+    summary["accuracy_curve"] = accuracy_curve(evaluations, run.latest)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def accuracy_curve(evaluations: Sequence[cpb.Metrics], latest: Sequence[cpb.Metrics]) -> list[dict[str, Any]]:
+    """The run's test accuracy as it trained: rank 0's evaluations on the way (the only rank that
+    evaluates before its end; one clock), then the final model's (`run_figures.final_report`), once:
+    each rank's done report evaluates a model, on its own clock, and under asgd and ssp not
+    always the final one."""
+    points = [m for m in evaluations if m.rank == 0 and not m.done]
+    if (final := run_figures.final_report(latest)) is not None:
+        points.append(final)
+    return [{"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy} for m in points]
 
 
 class _Notices:

@@ -1,6 +1,7 @@
 """A run's curves as TensorBoard event files: `gradps train --tensorboard DIR` (and `compare`).
 
-One TensorBoard run per gradps run (DIR/<name>): the run's loss, test accuracy, samples/s (in
+One TensorBoard run per gradps run (DIR/<name>): the run's loss, test accuracy (rank 0's
+evaluations, then the final model's, as `client.report.accuracy_curve`), samples/s (in
 all and by rank, where a straggler shows), mean staleness of its pushes and the fraction of time
 its workers waited, each at the step the workers had reached on average (gradps.run_figures).
 """
@@ -27,7 +28,9 @@ class RunBoard:
         step = round(run_figures.mean_step(latest))
         scalar = self._writer.add_scalar
         scalar("loss", run_figures.mean_loss(latest), step)
-        if metrics.test_accuracy >= 0:  # evaluated at this report (-1: not evaluated)
+        # Evaluated at this report (-1: not evaluated): rank 0's on the way, and at the end the final
+        # model's (under asgd and ssp a rank that finished early evaluated a snapshot).
+        if metrics.test_accuracy >= 0 and (metrics.final_model if metrics.done else metrics.rank == 0):
             scalar("test_accuracy", metrics.test_accuracy, metrics.step)
             scalar("test_loss", metrics.test_loss, metrics.step)
         if rates := run_figures.rates_by_rank(latest):

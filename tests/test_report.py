@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from client.local_cluster import LocalCluster
-from client.report import follow, print_summary, run_progress, summarize
+from client.report import accuracy_curve, follow, print_summary, run_progress, summarize
 from client.sdk import Client
 from gradps import run_figures
 from gradps.v1 import coordinator_pb2 as cpb
@@ -104,6 +104,26 @@ def test_the_final_accuracy_is_the_final_models_and_rank_0s_where_no_report_hold
     # The summary and `gradps runs` read the same report.
     status = cpb.RunStatus(run_id="r", state=cpb.RUN_STATE_COMPLETED, latest=[snapshot, final])
     assert summarize(status, 2)["final_test_accuracy"] == 0.95
+
+
+def test_the_accuracy_curve_is_rank_0s_evaluations_then_the_final_models_once() -> None:
+    def evaluated(rank: int, step: int, elapsed_s: float, accuracy: float, **done: bool) -> cpb.Metrics:
+        return cpb.Metrics(rank=rank, step=step, elapsed_s=elapsed_s, test_accuracy=accuracy, **done)
+
+    on_the_way = [evaluated(0, 20, 0.2, 0.5), evaluated(0, 40, 0.4, 0.7)]
+    # wagma: rank 1 (which started earlier) reports done first, on its own clock; both hold the
+    # final model, whose point rank 0's report gives, once, after its evaluations.
+    rank_1 = evaluated(1, 60, 0.9, 0.8, done=True, final_model=True)
+    rank_0 = evaluated(0, 60, 0.6, 0.8, done=True, final_model=True)
+    curve = accuracy_curve([*on_the_way, rank_1, rank_0], [rank_0, rank_1])
+    assert [(p["step"], p["elapsed_s"]) for p in curve] == [(20, 0.2), (40, 0.4), (60, 0.6)]
+    # asgd: rank 0 evaluated a snapshot at its end; rank 1's report holds the final model.
+    snapshot = evaluated(0, 60, 0.6, 0.9, done=True)
+    final = evaluated(1, 60, 0.7, 0.85, done=True, final_model=True)
+    curve = accuracy_curve([*on_the_way, snapshot, final], [snapshot, final])
+    assert [p["test_accuracy"] for p in curve] == [0.5, 0.7, 0.85]
+    # A run that failed before any done report: the evaluations on the way.
+    assert len(accuracy_curve(on_the_way, [on_the_way[-1]])) == 2
 
 
 @pytest.mark.slow
