@@ -10,14 +10,13 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from gradps.datasets import FIXED_SIZE
 from gradps.schemes import PARAMS, schemes_of
 
 # Options that define a run beside the spec options; a resumed run keeps its own spec.
 RUN_OPTIONS = ("scheme", "workers", "checkpoint_every")
 # Options only an embedded cluster (--local) reads.
 LOCAL_OPTIONS = ("shards", "heartbeat_timeout", "device", "transport", "allow_import")
-# Datasets that have a fixed size.
-_FIXED_SIZE = ("digits",)
 
 
 def run_option_uses(options: Mapping[str, Any], schemes: Collection[str]) -> dict[str, str]:
@@ -32,7 +31,7 @@ def run_option_uses(options: Mapping[str, Any], schemes: Collection[str]) -> dic
         unread |= {"step_size": "--schedule step only", "gamma": "--schedule step only"}
     if options.get("optimizer") != "sgd":
         unread |= {"momentum": "--optimizer sgd only", "nesterov": "--optimizer sgd only"}
-    if options.get("dataset") in _FIXED_SIZE:
+    if options.get("dataset") in FIXED_SIZE:
         unread["dataset_size"] = f"{options['dataset']} has a fixed size"
     return unread
 

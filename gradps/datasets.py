@@ -26,6 +26,8 @@ BUILTIN_TASKS = {
     "synthetic-tokens": "language_model",
     "synthetic-tokens-varlen": "language_model",
 }
+# Built-in datasets of a size of their own: a run's dataset_size does not apply to them.
+FIXED_SIZE = ("digits",)
 _DIGITS_TEST_FRACTION = 0.2
 # Fixed regardless of the caller's seed: every process must see the same train/test split.
 _DIGITS_SPLIT_SEED = 0
