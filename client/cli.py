@@ -26,6 +26,7 @@ from client.links import Links
 from client.local_cluster import LocalCluster
 from client.report import follow, model_of, print_summary
 from client.sdk import Client, run_spec
+from client.terminal import table_console
 from client.unread_options import LOCAL_OPTIONS, RUN_OPTIONS, refuse_unread, run_option_uses
 from client.usage import Count, FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
 from gradps import run_figures
@@ -538,7 +539,7 @@ def status(coordinator: str, as_json: bool) -> None:
         state = "alive" if w.alive else "dead"
         console.print(f"  worker {w.worker_id}  {w.name}  {w.device}  {state}  {w.run_id or 'idle'}", markup=False)
     active = [r for r in runs if r.state in (cpb.RUN_STATE_PENDING, cpb.RUN_STATE_RUNNING)]
-    console.print(f"{len(runs)} runs, {len(active)} active")
+    console.print(f"{_count(len(runs), 'run')}, {len(active)} active")
     for r in runs:
         if r.state == cpb.RUN_STATE_PENDING:
             console.print(f"  run {r.run_id}  pending: {r.pending_reason or 'waiting'}", markup=False)
@@ -571,7 +572,7 @@ def runs(coordinator: str, as_json: bool) -> None:
             # A pending run says what it waits for; an ended one why it failed or stopped.
             Text(r.pending_reason if r.state == cpb.RUN_STATE_PENDING else r.message),
         )
-    Console().print(table)
+    table_console().print(table)
 
 
 @cli.command(context_settings=_CONTEXT)

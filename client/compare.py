@@ -14,6 +14,7 @@ from client.ddp_baseline import SCHEME as BASELINE
 from client.ddp_baseline import run_ddp
 from client.report import follow
 from client.sdk import Client
+from client.terminal import table_console
 from gradps.netem import EmulatedNetwork
 from gradps.v1 import run_pb2
 
@@ -190,7 +191,7 @@ def print_table(rows: list[dict[str, Any]], target: float, console: Console | No
             _cell(r.get("wait_fraction"), "{:.0%}"),
         ]
         table.add_row(*cells)
-    (console or Console()).print(table)
+    (console or table_console()).print(table)
 
 
 def _cell(value: Any, form: str, missing: str = "-") -> str:

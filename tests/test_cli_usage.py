@@ -17,10 +17,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
+from rich.table import Table
 
 from client.cli import cli
 from client.local_cluster import LocalCluster
 from client.sdk import Client, GradpsError
+from client.terminal import table_console
 from client.unread_options import run_option_uses
 from gradps.schemes import PARAMS, SCHEMES
 from gradps.v1 import coordinator_pb2 as cpb
@@ -335,6 +338,19 @@ def test_up_started_in_the_background_stops_on_sigint_and_logs_in_its_state_dir(
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_a_table_piped_out_keeps_every_cell_whole(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    table = Table("run", "state", "scheme", "model", "workers", "steps", "test acc", "message")
+    table.add_row("20261206-201956-e3b4", "completed", "wagma", "mlp", "2", "100", "0.8167", "")
+    Console().print(table)  # rich's own guess for a pipe: 80 columns, cells cut
+    assert "…" in capsys.readouterr().out
+    table_console().print(table)
+    piped = capsys.readouterr().out
+    assert "completed" in piped and "0.8167" in piped and "…" not in piped, piped
+    monkeypatch.setenv("COLUMNS", "100")  # a width the user asks for wins
+    assert table_console().width == 100
 
 
 def test_a_run_option_is_unread_only_where_no_chosen_scheme_or_setting_reads_it() -> None:

@@ -19,8 +19,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.display import ProgressLine, table_console
+from client.bench.display import ProgressLine
 from client.bench.options import json_option, write_json
+from client.terminal import table_console
 from client.usage import one_line_errors
 from gradps.device import device_option
 

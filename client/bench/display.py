@@ -4,7 +4,6 @@ the table; `--json FILE` keeps every row."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TypeVar
@@ -62,8 +61,3 @@ def short_rows(
     largest = max(key(r) for r in rows)
     note = f"{len(rows)} rows measured; shown: the {label(largest)} ones. --json FILE keeps every row."
     return [r for r in rows if key(r) == largest], note
-
-
-def table_console() -> Console:
-    """Where a bench prints its table: stdout, 160 columns wide when it is not a terminal."""
-    return Console(width=None if sys.stdout.isatty() else 160)

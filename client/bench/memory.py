@@ -17,10 +17,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.display import ProgressLine, short_rows, table_console
+from client.bench.display import ProgressLine, short_rows
 from client.bench.options import json_option, parse_choices, parse_counts, transport_option, write_json
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.local_cluster import LocalCluster
+from client.terminal import table_console
 from client.usage import one_line_errors
 from gradps.placement import DEFAULT_PART_SIZE
 

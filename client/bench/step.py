@@ -19,10 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from client.bench.checkpoint_cost import CheckpointCost, CheckpointTimes, checkpoint_cost
-from client.bench.display import ProgressLine, table_console
+from client.bench.display import ProgressLine
 from client.bench.options import json_option, write_json
 from client.local_cluster import LocalCluster
 from client.sdk import Client
+from client.terminal import table_console
 from client.usage import one_line_errors
 from gradps.channel import open_channel
 from gradps.codecs import parse_codec

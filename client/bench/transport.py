@@ -15,7 +15,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.display import ProgressLine, short_rows, table_console
+from client.bench.display import ProgressLine, short_rows
 from client.bench.link_plot import plot_links
 from client.bench.options import (
     COLOCATED,
@@ -32,6 +32,7 @@ from client.bench.references import GlooReference, TcpReference
 from client.bench.workers import BenchWorkers, Job, submit_run
 from client.links import Links
 from client.local_cluster import LocalCluster
+from client.terminal import table_console
 from client.unread_options import refuse_unread
 from client.usage import one_line_errors, output_file
 from gradps.device import device_option
