@@ -301,7 +301,9 @@ def train(
     if tls and not local:
         raise click.UsageError(_TLS_NOT_LOCAL)
     ctx = click.get_current_context()
-    refuse_unread(ctx, {} if local else dict.fromkeys(LOCAL_OPTIONS, "--local only"))
+    # The embedded cluster's shards have no --state-dir: its runs are never checkpointed.
+    local_reads_not = {"checkpoint_every": "no checkpoints with --local; gradps up's shards keep them"}
+    refuse_unread(ctx, local_reads_not if local else dict.fromkeys(LOCAL_OPTIONS, "--local only"))
     if resume is not None:
         refuse_unread(ctx, dict.fromkeys([*RUN_OPTIONS, *options], "a resumed run keeps its own spec"))
         if local:

@@ -62,6 +62,7 @@ def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
         ),
         (["train", "--local", "--optimizer", "adam", "--nesterov"], "ignore --nesterov (--optimizer sgd only)"),
         (["train", "--local", "--dataset-size", "500"], "ignore --dataset-size (digits has a fixed size)"),
+        (["train", "--local", "--checkpoint-every", "10"], "ignore --checkpoint-every (no checkpoints with --local"),
         (
             ["train", "--coordinator", "127.0.0.1:1", "--resume", "r-1", "--lr", "0.1"],
             "ignore --lr (a resumed run keeps its own spec)",
