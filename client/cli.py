@@ -27,7 +27,7 @@ from client.local_cluster import LocalCluster
 from client.report import follow, model_of, print_summary
 from client.sdk import Client, run_spec
 from client.terminal import table_console
-from client.unread_options import LOCAL_OPTIONS, RUN_OPTIONS, refuse_unread, run_option_uses
+from client.unread_options import LOCAL_OPTIONS, RUN_OPTIONS, refuse_unread, unread_run_options
 from client.usage import Count, FiniteFloat, make_dir, one_line_errors, output_file, stop_on_sigterm
 from gradps import run_figures
 from gradps.auth.certs import certs
@@ -318,7 +318,7 @@ def train(
         if summary["state"] != "completed":
             raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
         return
-    refuse_unread(ctx, run_option_uses(options, [scheme]), f"this {scheme} run")
+    refuse_unread(ctx, unread_run_options(options, [scheme]), f"this {scheme} run")
     spec = build_spec(scheme, workers, **options)
     if checkpoint_every:
         spec.checkpoint_every_steps, spec.checkpoint_every_seconds = checkpoint_every
@@ -764,7 +764,7 @@ def compare(
     # --device is also the DDP baseline's, which runs on this machine.
     embedded_only = [n for n in LOCAL_OPTIONS if not (n == "device" and baseline != "none")] if coordinator else []
     refuse_unread(ctx, dict.fromkeys(embedded_only, "--local only") | ({} if link else {"layout": "--link only"}))
-    refuse_unread(ctx, run_option_uses(o, names), "these runs")
+    refuse_unread(ctx, unread_run_options(o, names), "these runs")
     hosts = Layout.named(layout, shards, workers)
     try:  # a bad --link: a usage error, before any run
         links = Links([link], hosts.hosts) if link else None

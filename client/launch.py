@@ -26,7 +26,7 @@ import click
 from client.local_cluster import LocalCluster, terminate
 from client.report import follow, print_summary
 from client.sdk import Client, GradpsError
-from client.unread_options import refuse_unread, run_option_uses
+from client.unread_options import refuse_unread, unread_run_options
 from client.usage import make_dir, one_line_errors
 from gradps.auth import tls
 from gradps.auth.client_tokens import write_private_file
@@ -260,7 +260,7 @@ def launch_command(spec_options: Callable[[Any], Any], build_spec: Callable[...,
         """
         ctx = click.get_current_context()
         refuse_unread(ctx, dict.fromkeys(_LOCAL_CLUSTER_OPTIONS, "a local cluster only") if coordinator else {})
-        refuse_unread(ctx, run_option_uses(options, [scheme]), f"this {scheme} run")
+        refuse_unread(ctx, unread_run_options(options, [scheme]), f"this {scheme} run")
         run_launch(
             build_spec(scheme, workers, **options),
             workers,

@@ -19,7 +19,7 @@ RUN_OPTIONS = ("scheme", "workers", "checkpoint_every")
 LOCAL_OPTIONS = ("shards", "heartbeat_timeout", "device", "transport", "allow_import")
 
 
-def run_option_uses(options: Mapping[str, Any], schemes: Collection[str]) -> dict[str, str]:
+def unread_run_options(options: Mapping[str, Any], schemes: Collection[str]) -> dict[str, str]:
     """Option name -> what it applies to, for each run option that a run of one of `schemes` with
     these `options` (the spec options, by click name) would not read."""
     unread = {

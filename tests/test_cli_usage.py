@@ -24,7 +24,7 @@ from client.cli import cli
 from client.local_cluster import LocalCluster
 from client.sdk import Client, GradpsError
 from client.terminal import table_console
-from client.unread_options import run_option_uses
+from client.unread_options import unread_run_options
 from gradps.schemes import PARAMS, SCHEMES
 from gradps.v1 import coordinator_pb2 as cpb
 from tests.services import Services, free_ports
@@ -356,11 +356,11 @@ def test_a_table_piped_out_keeps_every_cell_whole(monkeypatch: pytest.MonkeyPatc
 
 def test_a_run_option_is_unread_only_where_no_chosen_scheme_or_setting_reads_it() -> None:
     reads_all = {"schedule": "step", "optimizer": "sgd", "dataset": "synthetic-images"}
-    assert run_option_uses(reads_all, list(SCHEMES)) == {}
-    assert set(run_option_uses(reads_all, ["wagma"])) == set(PARAMS) - {"group_size", "tau"}
-    assert "n_push" in run_option_uses(reads_all, ["sync", "ssp"])
-    assert "staleness_lr" not in run_option_uses(reads_all, ["sync", "ssp"])  # ssp reads it
-    plain = run_option_uses({"schedule": "cosine", "optimizer": "adamw", "dataset": "digits"}, list(SCHEMES))
+    assert unread_run_options(reads_all, list(SCHEMES)) == {}
+    assert set(unread_run_options(reads_all, ["wagma"])) == set(PARAMS) - {"group_size", "tau"}
+    assert "n_push" in unread_run_options(reads_all, ["sync", "ssp"])
+    assert "staleness_lr" not in unread_run_options(reads_all, ["sync", "ssp"])  # ssp reads it
+    plain = unread_run_options({"schedule": "cosine", "optimizer": "adamw", "dataset": "digits"}, list(SCHEMES))
     assert plain == {
         "step_size": "--schedule step only",
         "gamma": "--schedule step only",
