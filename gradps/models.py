@@ -170,27 +170,19 @@ def check_task(model: str, dataset: str, task: str) -> None:
         raise ValueError(f"model {model!r} needs a {MODEL_TASKS[model]} dataset, but {dataset!r} is {task}")
 
 
-def _require_task(model: str, dataset: Dataset) -> None:
-    check_task(model, dataset.name, dataset.task)
-
-
 def _build_mlp(dataset: Dataset) -> nn.Module:
-    _require_task("mlp", dataset)
     return MLP(math.prod(dataset.input_shape), dataset.num_classes)
 
 
 def _build_cnn(dataset: Dataset) -> nn.Module:
-    _require_task("cnn", dataset)
     return ConvNet(_image_shape(dataset), dataset.num_classes)
 
 
 def _build_resnet18(dataset: Dataset) -> nn.Module:
-    _require_task("resnet18", dataset)
     return ResNet18(_image_shape(dataset), dataset.num_classes)
 
 
 def _build_transformer(dataset: Dataset) -> nn.Module:
-    _require_task("transformer", dataset)
     if len(dataset.input_shape) != 1:
         raise ValueError(f"model 'transformer' needs (T,) token sequences, got input_shape {dataset.input_shape}")
     return CausalTransformer(dataset.num_classes, dataset.input_shape[0])
@@ -225,6 +217,7 @@ def build_model(name: str, dataset: Dataset, allow_import: Collection[str] | Non
     """
     builder = _BUILDERS.get(name)
     if builder is not None:
+        check_task(name, dataset.name, dataset.task)
         return builder(dataset)
     if ":" in name:
         check_import_allowed(name, allow_import)
