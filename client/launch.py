@@ -26,7 +26,7 @@ import click
 from client.local_cluster import LocalCluster, terminate
 from client.report import follow, print_summary
 from client.sdk import Client, GradpsError
-from client.unread_options import refuse_unread, unread_run_options
+from client.unread_options import LOCAL_OPTIONS, refuse_unread, unread_run_options
 from client.usage import make_dir, one_line_errors
 from gradps.auth import tls
 from gradps.auth.client_tokens import write_private_file
@@ -54,8 +54,6 @@ from gradps.v1 import run_pb2
 _SCRIPT_OWNS = frozenset(
     {"model", "dataset", "dataset_size", "batch_size", "optimizer", "lr", "momentum", "nesterov", "weight_decay"}
 )
-# What only the local cluster reads (not one at --coordinator).
-_LOCAL_CLUSTER_OPTIONS = ("shards", "heartbeat_timeout", "device")
 # OptimizerSpec fields that come from the script's torch optimizer (the schedule is the launcher's).
 _FROM_TORCH = ("name", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps")
 # Lines of each script's output kept to say why it failed.
@@ -259,7 +257,9 @@ def launch_command(spec_options: Callable[[Any], Any], build_spec: Callable[...,
         BatchNorm buffers averaged over the ranks: model.load_state_dict(torch.load(path))).
         """
         ctx = click.get_current_context()
-        refuse_unread(ctx, dict.fromkeys(_LOCAL_CLUSTER_OPTIONS, "a local cluster only") if coordinator else {})
+        # --transport is also the scripts', whichever cluster they join.
+        local_only = [n for n in LOCAL_OPTIONS if n != "transport"] if coordinator else []
+        refuse_unread(ctx, dict.fromkeys(local_only, "a local cluster only"))
         refuse_unread(ctx, unread_run_options(options, [scheme]), f"this {scheme} run")
         run_launch(
             build_spec(scheme, workers, **options),
