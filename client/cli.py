@@ -699,7 +699,8 @@ def export(run_id: str, out: Path, checkpoint_step: int | None, coordinator: str
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Also write TensorBoard event files here (`tensorboard --logdir DIR`): loss, test accuracy, "
-    "samples/s, staleness, wait fraction; one TensorBoard run per scheme, DIR/<scheme>.",
+    "samples/s, staleness, wait fraction; one TensorBoard run per scheme, DIR/<scheme> (DIR/<repeat>/<scheme> "
+    "with --repeats).",
 )
 @click.option(
     "--link",
@@ -715,6 +716,14 @@ def export(run_id: str, out: Path, checkpoint_step: int | None, coordinator: str
     default="colocated",
     type=click.Choice(LAYOUTS),
     help="With --link: colocated, shard k on worker k's host; separate, each shard on a host of its own.",
+)
+@click.option(
+    "--repeats",
+    default=1,
+    type=Count(min=1),
+    metavar="N",
+    help="Run the whole comparison N times (the runs of repeat K in OUT/K/): the table "
+    'shows medians and ranges, "vs ddp" from each repeat\'s own DDP run, the plot every run.',
 )
 @click.option("--no-progress", is_flag=True, help="No live progress bars.")
 @one_line_errors
@@ -734,6 +743,7 @@ def compare(
     tensorboard: Path | None,
     link: str | None,
     layout: str,
+    repeats: int,
     no_progress: bool,
     **o: Any,
 ) -> None:
@@ -741,22 +751,9 @@ def compare(
 
     With --straggler (or --backup-workers B), sync runs twice: plain, and with backup workers
     (B, or 1) as the row sync-backupB."""
-    from client.compare import (
-        add_baseline_ratios,
-        print_table,
-        run_baseline,
-        with_backup_row,
-        write_outputs,
-    )
+    from client.compare import combine_repeats, print_table, run_baseline, with_backup_row, write_outputs
 
-    names = [s.strip() for s in schemes.split(",") if s.strip()]
-    hint = "'--schemes'"
-    if not names:
-        raise click.BadParameter(f"expected one or more of {', '.join(SCHEMES)}", param_hint=hint)
-    if unknown := sorted(set(names) - set(SCHEMES)):
-        raise click.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(SCHEMES)}", param_hint=hint)
-    if len(set(names)) < len(names):
-        raise click.BadParameter(f"a scheme is named twice in {schemes!r}: each writes {out}/<scheme>", param_hint=hint)
+    names = _scheme_names(schemes, out)
     coordinator = _chosen_coordinator(local, coordinator)
     if link and coordinator:
         raise click.UsageError("--link emulates the embedded cluster's hosts: it does not apply with --coordinator")
@@ -774,26 +771,79 @@ def compare(
     # --device is the embedded cluster's, and the baseline's: both run on this machine.
     device = device if coordinator and baseline == "none" else resolve_option(device)
     make_dir(out)
+    repeated = []
     with links if links and Links.available(Console(stderr=True)) else contextlib.nullcontext() as on:
         network = on.network if on else None
-        # The baseline first: it is short, and a failure shows before the schemes' long runs.
-        first = entries[0][1]
-        reference = (
-            run_baseline(first, device, target_accuracy, out, not no_progress, network) if baseline != "none" else None
-        )
-        rows, title = _compare_runs(
-            coordinator, entries, target_accuracy, out, not no_progress, tensorboard, workers, shards, o,
-            lambda: LocalCluster(shards, workers, heartbeat_timeout, out / "logs", device, transport,
-                                 allow_import=allow_import, network=network, layout=hosts),
-        )  # fmt: skip
-        if network:
-            title += f", {link} links ({layout})"
+
+        def ddp(at: Path) -> dict[str, Any]:
+            return run_baseline(entries[0][1], device, target_accuracy, at, not no_progress, network)
+
+        def embedded(logs: Path) -> LocalCluster:
+            return LocalCluster(shards, workers, heartbeat_timeout, logs, device, transport,
+                                allow_import=allow_import, network=network, layout=hosts)  # fmt: skip
+
+        for number in range(1, repeats + 1):
+            # Each repeat is the whole comparison again: its own DDP run, its own embedded cluster.
+            if repeats > 1:
+                click.echo(f"repeat {number} of {repeats}", err=True)
+            here, board = _repeat_dir(out, number, repeats), tensorboard and _repeat_dir(tensorboard, number, repeats)
+            rows, title = _compare_repeat(
+                coordinator, entries, target_accuracy, here, not no_progress, board, workers, shards, o, embedded,
+                ddp if baseline != "none" else None,
+            )  # fmt: skip
+            repeated.append([row | {"repeat": number} for row in rows])
+            if network:
+                title += f", {link} links ({layout})"
+            # After each repeat: an interrupted comparison keeps the figures of the repeats it made.
+            write_outputs(combine_repeats(repeated), target_accuracy, out, title)
+    print_table(combine_repeats(repeated), target_accuracy)
+    click.echo(f"wrote {out / 'compare.json'}, {out / 'compare.csv'} and {out / 'compare.png'}", err=True)
+
+
+def _scheme_names(schemes: str, out: Path) -> list[str]:
+    """compare's --schemes as a list: known schemes, each named once."""
+    names = [s.strip() for s in schemes.split(",") if s.strip()]
+    hint = "'--schemes'"
+    if not names:
+        raise click.BadParameter(f"expected one or more of {', '.join(SCHEMES)}", param_hint=hint)
+    if unknown := sorted(set(names) - set(SCHEMES)):
+        raise click.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(SCHEMES)}", param_hint=hint)
+    if len(set(names)) < len(names):
+        raise click.BadParameter(f"a scheme is named twice in {schemes!r}: each writes {out}/<scheme>", param_hint=hint)
+    return names
+
+
+def _repeat_dir(path: Path, number: int, repeats: int) -> Path:
+    """Where repeat `number` of compare writes under `path`: `path` itself when it is the only one."""
+    return path if repeats == 1 else path / str(number)
+
+
+def _compare_repeat(
+    coordinator: str | None,
+    entries: list[tuple[str, run_pb2.RunSpec]],
+    target_accuracy: float,
+    out: Path,
+    progress: bool,
+    tensorboard: Path | None,
+    workers: int,
+    shards: int,
+    o: dict[str, Any],
+    embedded: Callable[[Path], LocalCluster],
+    baseline: Callable[[Path], dict[str, Any]] | None,
+) -> tuple[list[dict[str, Any]], str]:
+    """One repeat of compare, its rows and title: the `baseline`'s run first (it is short, and a
+    failure shows before the schemes' long runs), then each entry on the cluster at `coordinator`,
+    or on an `embedded` one (started here, the same one for every scheme, its logs in OUT/logs);
+    each row with its time to target over the baseline's."""
+    from client.compare import add_baseline_ratios
+
+    reference = baseline(out) if baseline is not None else None
+    rows, title = _compare_runs(coordinator, entries, target_accuracy, out, progress, tensorboard, workers, shards, o,
+                                lambda: embedded(out / "logs"))  # fmt: skip
     if reference is not None:
         rows.append(reference)
         add_baseline_ratios(rows, reference)
-    write_outputs(rows, target_accuracy, out, title)
-    print_table(rows, target_accuracy)
-    click.echo(f"wrote {out / 'compare.json'}, {out / 'compare.csv'} and {out / 'compare.png'}", err=True)
+    return rows, title
 
 
 def _compare_runs(
@@ -808,8 +858,8 @@ def _compare_runs(
     o: dict[str, Any],
     embedded: Callable[[], LocalCluster],
 ) -> tuple[list[dict[str, Any]], str]:
-    """compare's rows and title: each entry on the cluster at `coordinator`, or on an `embedded` one
-    (started here, the same one for every scheme)."""
+    """The entries' rows and the title: each entry on the cluster at `coordinator`, or on an
+    `embedded` one (started here, the same one for every scheme)."""
     from client.compare import run_comparison
 
     if coordinator:
