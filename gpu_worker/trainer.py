@@ -104,17 +104,17 @@ class Trainer:
             seek(self.steps_done)
 
     def start(self) -> None:
-        """Upload this replica's initial weights (first upload wins) and take the global ones."""
-        self._started = time.perf_counter()
+        """Upload this replica's initial weights (first upload wins) and take the global ones.
+        The clock (Metrics.elapsed_s, wait_s) starts after: start-up is not training time, as the
+        DDP baseline's clock starts after its ranks' barrier (wagma's first round waits for
+        every worker, which a partner slower to start would otherwise add to this one's time)."""
         with torch.no_grad():
             self.client.register(self.params)
-        began = time.perf_counter()
         try:
             self.scheme.start()
         except RolledBack as e:  # the run went back while this worker joined it
             self.steps_done = self._go_back(e, self.steps_done)
-        self._step_began = time.perf_counter()
-        self._wait_s += self._step_began - began
+        self._started = self._step_began = time.perf_counter()
         self._seed_step()
 
     def step(self, loss: float, samples: int) -> None:
