@@ -835,44 +835,24 @@ def _compare_repeat(
     failure shows before the schemes' long runs), then each entry on the cluster at `coordinator`,
     or on an `embedded` one (started here, the same one for every scheme, its logs in OUT/logs);
     each row with its time to target over the baseline's."""
-    from client.compare import add_baseline_ratios
+    from client.compare import add_baseline_ratios, run_comparison
 
     reference = baseline(out) if baseline is not None else None
-    rows, title = _compare_runs(coordinator, entries, target_accuracy, out, progress, tensorboard, workers, shards, o,
-                                lambda: embedded(out / "logs"))  # fmt: skip
-    if reference is not None:
-        rows.append(reference)
-        add_baseline_ratios(rows, reference)
-    return rows, title
-
-
-def _compare_runs(
-    coordinator: str | None,
-    entries: list[tuple[str, run_pb2.RunSpec]],
-    target_accuracy: float,
-    out: Path,
-    progress: bool,
-    tensorboard: Path | None,
-    workers: int,
-    shards: int,
-    o: dict[str, Any],
-    embedded: Callable[[], LocalCluster],
-) -> tuple[list[dict[str, Any]], str]:
-    """The entries' rows and the title: each entry on the cluster at `coordinator`, or on an
-    `embedded` one (started here, the same one for every scheme)."""
-    from client.compare import run_comparison
-
     if coordinator:
         with Client(coordinator) as client:
             shards = len(client.cluster().shards)
+        rows = run_comparison(coordinator, entries, target_accuracy, out, progress, tensorboard)
+    else:
+        with embedded(out / "logs") as cluster:
+            rows = run_comparison(cluster.address, entries, target_accuracy, out, progress, tensorboard)
+    if reference is not None:
+        rows.append(reference)
+        add_baseline_ratios(rows, reference)
     straggler = o.get("straggler")
     title = f"{o['model']} on {o['dataset']}, {_count(workers, 'worker')}, {_count(shards, 'shard')}" + (
         f", rank {straggler[0]} {straggler[1]:g}x slower" if straggler else ""
     )
-    if coordinator:
-        return run_comparison(coordinator, entries, target_accuracy, out, progress, tensorboard), title
-    with embedded() as cluster:
-        return run_comparison(cluster.address, entries, target_accuracy, out, progress, tensorboard), title
+    return rows, title
 
 
 def _count(n: int, noun: str) -> str:
