@@ -26,7 +26,10 @@ MOST_THREADS = 120
 
 @pytest.fixture
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(shards=2, workers=0) as c:
+    # The workers here are threads of this one process, which also makes all of their calls: on two
+    # busy cores a heartbeat thread among 256 can wait past the 5 s default and the coordinator
+    # declares a live worker dead. Failure detection is tested elsewhere; here it must not fire.
+    with LocalCluster(shards=2, workers=0, heartbeat_timeout_s=30.0) as c:
         yield c
 
 
