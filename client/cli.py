@@ -795,8 +795,9 @@ def compare(
             if network:
                 title += f", {link} links ({layout})"
             # After each repeat: an interrupted comparison keeps the figures of the repeats it made.
-            write_outputs(combine_repeats(repeated), target_accuracy, out, title)
-    print_table(combine_repeats(repeated), target_accuracy)
+            combined = combine_repeats(repeated)
+            write_outputs(combined, target_accuracy, out, title)
+    print_table(combined, target_accuracy)
     click.echo(f"wrote {out / 'compare.json'}, {out / 'compare.csv'} and {out / 'compare.png'}", err=True)
 
 
