@@ -261,17 +261,20 @@ class LocalCluster:
         return f" ({lines[-1]})" if lines and lines[-1].startswith("Error: ") else ""
 
     def start(self) -> LocalCluster:
-        """Start every process and wait until all shards and workers joined."""
+        """Start every process and wait until all shards and workers joined. The shards start side
+        by side, then the workers: each process spends seconds importing torch."""
         self.address = self._start_coordinator(self.port)
         self._remember(self.address)
-        for i, port in enumerate(self._kept_shard_ports()):
+        kept = self._kept_shard_ports()
+        port_files = [self._spawn_shard(i, port) for i, port in enumerate(kept)]
+        for i, (port, port_file) in enumerate(zip(kept, port_files, strict=True)):
             try:
-                self.add_shard(i, port)
+                self._registered(i, port_file)
             except GradpsError:
                 if not port:
                     raise
-                self.shards.pop()  # its port is taken now: its runs cannot be taken up again
-                self.add_shard(i)
+                # Its port is taken now: its runs cannot be taken up again.
+                self._registered(i, self._spawn_shard(i, 0))
         self._keep_shard_ports()
         for i in range(self.n_workers):
             self.add_worker(i)
@@ -310,9 +313,15 @@ class LocalCluster:
 
     def add_shard(self, i: int, port: int = 0) -> subprocess.Popen:
         """Start shard `i` (on `port`; 0: any free one) and wait until it registered."""
+        self._registered(i, self._spawn_shard(i, port))
+        return self.shards[i]
+
+    def _spawn_shard(self, i: int, port: int) -> Path:
+        """Start shard `i` (on `port`; 0: any free one) as `self.shards[i]`; the file that will hold
+        its port once it registered."""
         port_file = Path(self._tmp.name) / f"shard-{i}.port"
         port_file.unlink(missing_ok=True)
-        host = self.layout.shards[i % len(self.layout.shards)]
+        host = self._shard_host(i)
         address = self.host_address(host)
         p = self._spawn(
             f"shard-{i}",
@@ -334,10 +343,16 @@ class LocalCluster:
             self.shards[i] = p
         else:
             self.shards.append(p)
-        port = self._port(port_file, p)  # registered once the port file exists
-        self._remember(f"{address}:{port}")
+        return port_file
+
+    def _registered(self, i: int, port_file: Path) -> None:
+        """Wait until shard `i` registered (its port file exists), and note its port."""
+        port = self._port(port_file, self.shards[i])
+        self._remember(f"{self.host_address(self._shard_host(i))}:{port}")
         self.shard_ports[i : i + 1] = [port]
-        return p
+
+    def _shard_host(self, i: int) -> int:
+        return self.layout.shards[i % len(self.layout.shards)]
 
     def _kept_shard_ports(self) -> list[int]:
         """The ports the shards had when the cluster last ran on this state dir (0: any free one):

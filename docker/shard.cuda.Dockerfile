@@ -9,7 +9,7 @@
 # for an older driver build with
 #   --build-arg CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu22.04 --build-arg TORCH_CUDA=cu128
 # Ubuntu 22.04 is the newest nvidia/cuda base whose archive packages Python 3.11.
-# The CUDA images share every line up to the pip layer: one build fills the cache for both.
+# The CUDA images share every line up to the second pip layer: one build fills the cache for both.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-base-ubuntu22.04
 FROM ${CUDA_IMAGE}
 ARG TORCH_CUDA=cu130
@@ -29,20 +29,26 @@ RUN apt-get update \
     && python3.11 -m venv /opt/venv
 
 WORKDIR /src
+# Two pip layers: the dependencies, from pyproject.toml alone, then gradps itself (a change to the
+# code rebuilds only the second, small one). The build fails if pip resolved a CPU-only torch.
 COPY pyproject.toml ./
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+       > /tmp/dependencies.txt \
+    && pip install --extra-index-url "https://download.pytorch.org/whl/${TORCH_CUDA}" --requirement /tmp/dependencies.txt \
+    && rm /tmp/dependencies.txt \
+    && python -c "import torch; assert torch.version.cuda, 'CPU-only torch in a CUDA image'" \
+    && groupadd --system --gid 10001 gradps \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /var/lib/gradps --shell /usr/sbin/nologin gradps
+
 COPY gradps/ gradps/
 COPY ps_server/ ps_server/
 COPY gpu_worker/ gpu_worker/
 COPY client/ client/
 COPY docker/healthcheck.py /usr/local/bin/gradps-healthcheck
-
-# One pip layer; the build fails if pip resolved a CPU-only torch.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --extra-index-url "https://download.pytorch.org/whl/${TORCH_CUDA}" . \
-    && python -c "import torch; assert torch.version.cuda, 'CPU-only torch in a CUDA image'" \
-    && chmod 0755 /usr/local/bin/gradps-healthcheck \
-    && groupadd --system --gid 10001 gradps \
-    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /var/lib/gradps --shell /usr/sbin/nologin gradps
+    pip install --no-deps . \
+    && chmod 0755 /usr/local/bin/gradps-healthcheck
 
 # Numeric, so that Kubernetes' runAsNonRoot can verify it.
 USER 10001:10001

@@ -67,6 +67,7 @@ class Image:
     user: str  # the last USER
     copies: list[tuple[list[str], str]]  # COPY: sources, destination
     runs: list[str]
+    steps: list[tuple[str, str]]  # every instruction in order: (kind, value)
 
     @property
     def copied_executables(self) -> dict[str, str]:
@@ -112,6 +113,7 @@ def read_image(path: Path) -> Image:
         user=by_kind["USER"][0],
         copies=[(parts[:-1], parts[-1]) for parts in (_without_flags(v) for v in by_kind.get("COPY", []))],
         runs=by_kind.get("RUN", []),
+        steps=[(item["instruction"], item["value"]) for item in parser.structure],
     )
 
 

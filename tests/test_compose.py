@@ -92,19 +92,27 @@ def test_dockerfile(path: Path):
 
     ignored = _dockerignore_patterns()
     pip = [run for run in image.runs if "pip install" in run]
-    assert len(pip) == 1, "one pip layer"
+    assert len(pip) == 2, "two pip layers: the dependencies, then gradps"
+    dependencies, package = pip
+    # The dependencies' layer sees pyproject.toml only: code is copied after it, so that a change to
+    # the code leaves that layer (torch and the rest, most of the image) cached.
+    before = image.steps[: image.steps.index(("RUN", dependencies))]
+    assert [v.split() for kind, v in before if kind == "COPY"] == [["pyproject.toml", "./"]], "code before deps"
+    assert "--requirement" in dependencies and "tomllib" in dependencies
+    assert "pip install --no-deps" in package
     if cuda:
         assert image.base.startswith("nvidia/cuda:"), image.base
         assert re.search(r"apt-get install .*\bpython3\.11\b", " ".join(image.runs)), "python3.11 from apt"
-        assert "download.pytorch.org/whl/" in pip[0] and "/whl/cpu" not in pip[0]
+        assert "download.pytorch.org/whl/" in dependencies and "/whl/cpu" not in dependencies
         assert image.env.get("GRADPS_DEVICE") == "cuda"
     else:
         assert image.base.startswith("python:3.11-slim"), image.base
         # The index is a build argument (default: PyPI and torch's CPU index); the wheelhouse, a
-        # folder of the build context mounted for that layer alone, is an option beside it.
+        # folder of the build context mounted for those layers alone, is an option beside it.
         assert image.args.get("PIP_INDEX") == "--extra-index-url https://download.pytorch.org/whl/cpu"
-        assert "pip install --find-links /wheelhouse ${PIP_INDEX} ." in pip[0]
-        assert "--mount=type=bind,source=docker/wheelhouse,target=/wheelhouse" in pip[0]
+        for layer in pip:
+            assert "pip install --find-links /wheelhouse ${PIP_INDEX}" in layer.replace("--no-deps ", "")
+            assert "--mount=type=bind,source=docker/wheelhouse,target=/wheelhouse" in layer
         assert (ROOT / "docker" / "wheelhouse").is_dir()
         assert not [p for p in ignored if fnmatch.fnmatch("docker/wheelhouse", p.rstrip("/"))], "wheelhouse ignored"
         if image.entrypoint[0] != "gradps-coordinator":
