@@ -97,7 +97,7 @@ def test_dockerfile(path: Path):
     # The dependencies' layer sees pyproject.toml only: code is copied after it, so that a change to
     # the code leaves that layer (torch and the rest, most of the image) cached.
     before = image.steps[: image.steps.index(("RUN", dependencies))]
-    assert [v.split() for kind, v in before if kind == "COPY"] == [["pyproject.toml", "./"]], "code before deps"
+    assert [v.split() for kind, v in before if kind == "COPY"] == [["pyproject.toml", "./"]], "only pyproject.toml"
     assert "--requirement" in dependencies and "tomllib" in dependencies
     assert "pip install --no-deps" in package
     if cuda:
