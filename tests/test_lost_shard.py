@@ -44,6 +44,13 @@ def _ended(client: Client, run_id: str) -> bool:
     return client.run(run_id).run.state in (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
 
 
+def _alive(client: Client, cluster: LocalCluster) -> list[bool]:
+    """Whether the coordinator holds each of the cluster's shards alive, in the cluster's order
+    (the coordinator numbers shards as they register, which they do side by side)."""
+    alive = {s.address: s.alive for s in client.cluster().shard_infos}
+    return [alive[f"127.0.0.1:{port}"] for port in cluster.shard_ports]
+
+
 def _kill_shard(cluster: LocalCluster, index: int) -> float:
     """SIGKILL shard `index`; when it died (monotonic)."""
     cluster.shards[index].kill()
@@ -101,7 +108,7 @@ def test_a_run_whose_shard_never_comes_back_fails_naming_it_and_frees_its_worker
         # Its last heartbeat came at most a heartbeat interval (0.2 s) before the kill.
         assert took >= RETURN_TIMEOUT_S - 0.5, took
         _assert_released(client, run_id)
-        assert [s.alive for s in client.cluster().shard_infos] == [True, False]  # shown dead, not forgotten yet
+        assert _alive(client, cluster) == [True, False]  # shown dead, not forgotten yet
         # The workers stop waiting for the lost shard with their run: the next run (on shard 0
         # alone) trains at once, not after their two-minute wait.
         submitted = time.monotonic()
@@ -125,7 +132,7 @@ def test_after_a_coordinator_restart_a_shard_that_never_heartbeats_fails_its_run
             # Once the coordinator declared it dead the workers wait at the shard, and no metrics
             # report is in flight when the coordinator dies (one that is gives up its run: README).
             until(
-                lambda: [s.alive for s in client.cluster().shard_infos] == [True, False],
+                lambda: _alive(client, cluster) == [True, False],
                 MARGIN_S,
                 "the shard was not declared dead",
                 poll_s=0.05,
