@@ -34,7 +34,7 @@ from gradps.auth.certs import certs
 from gradps.auth.client_tokens import read_token_file
 from gradps.auth.options import client_tls_options, use_client_tls
 from gradps.auth.tokens import ROLES, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
-from gradps.codecs import codec_syntax, parse_codec
+from gradps.codec_table import codec_syntax, parse_codec
 from gradps.device import device_option, resolve_option
 from gradps.divergence import known_to_diverge
 from gradps.netem import LAYOUTS, Layout

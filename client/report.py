@@ -21,7 +21,7 @@ from rich.progress import (
 from client.sdk import Client, GradpsError
 from client.tensorboard import RunBoard
 from gradps import run_figures
-from gradps.codecs import format_codec
+from gradps.codec_table import format_codec
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2
 

@@ -12,7 +12,7 @@ from google.protobuf.message import Message
 
 from gradps.auth.tls import TlsFiles
 from gradps.channel import open_channel
-from gradps.codecs import parse_codec
+from gradps.codec_table import parse_codec
 from gradps.parameter_client import copy_part_into
 from gradps.run_spec import default_spec, validate, with_defaults
 from gradps.schemes import DEFAULT_SCHEME, PARAMS

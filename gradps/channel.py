@@ -265,6 +265,11 @@ def serve_metrics(port: int, host: str, port_file: str | None) -> int | None:
     return bound
 
 
+def time_left(end: float) -> float:
+    """Seconds until the monotonic time `end`, at least 0."""
+    return max(0.0, end - time.monotonic())
+
+
 def wait_for_call(
     cond: threading.Condition,
     ready: Callable[[], bool],

@@ -8,24 +8,16 @@ in different processes agree on sample indices without exchanging data.
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-TASKS = ("classification", "language_model")
+from gradps.import_paths import check_import_allowed, resolve_import_path
+from gradps.tasks import DATASET_TASKS, TASKS
 
-# The built-in datasets and the task of each, known without loading one (a run's spec is checked
-# against its model's task when it is submitted).
-BUILTIN_TASKS = {
-    "digits": "classification",
-    "synthetic-images": "classification",
-    "synthetic-tokens": "language_model",
-    "synthetic-tokens-varlen": "language_model",
-}
 # Built-in datasets of a size of their own: a run's dataset_size does not apply to them.
 FIXED_SIZE = ("digits",)
 _DIGITS_TEST_FRACTION = 0.2
@@ -96,7 +88,7 @@ class Dataset:
 
 def builtin_dataset_names() -> list[str]:
     """Names `load_dataset` accepts besides a `"package.module:function"` import path."""
-    return list(BUILTIN_TASKS)
+    return list(DATASET_TASKS)
 
 
 def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collection[str] | None = None) -> Dataset:
@@ -115,7 +107,7 @@ def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collecti
     """
     if size < 0:
         raise ValueError(f"size must be >= 0 (0 means the dataset's default), got {size}")
-    if name in BUILTIN_TASKS:
+    if name in DATASET_TASKS:
         return _load_builtin(name, size, seed)
     if ":" in name:
         check_import_allowed(name, allow_import)
@@ -123,61 +115,15 @@ def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collecti
             factory = resolve_import_path(name)
         except ValueError as err:
             raise ValueError(
-                f"cannot load dataset {name!r}: {err}; built-in datasets: {', '.join(BUILTIN_TASKS)}"
+                f"cannot load dataset {name!r}: {err}; built-in datasets: {', '.join(DATASET_TASKS)}"
             ) from err
         dataset = factory(size, seed)
         if not isinstance(dataset, Dataset):
             raise TypeError(f"dataset function {name!r} returned {type(dataset).__name__}, expected a Dataset")
         return dataset
     raise ValueError(
-        f"unknown dataset {name!r}: expected one of {', '.join(BUILTIN_TASKS)} or 'package.module:function'"
+        f"unknown dataset {name!r}: expected one of {', '.join(DATASET_TASKS)} or 'package.module:function'"
     )
-
-
-class ImportRefused(ValueError):
-    """An import path that the operator's allow-list (--allow-import) does not name."""
-
-
-def import_allowed(path: str, allow_import: Collection[str]) -> bool:
-    """Whether `path` ("package.module:function") lies under one of the `allow_import` prefixes:
-    a package or module ("mypkg" allows "mypkg:f" and "mypkg.models:f"), or one exact path."""
-    module = path.partition(":")[0]
-    for prefix in allow_import:
-        prefix = prefix.strip().rstrip(".")
-        if prefix and (path == prefix or module == prefix or module.startswith(prefix + ".")):
-            return True
-    return False
-
-
-def check_import_allowed(path: str, allow_import: Collection[str] | None) -> None:
-    """ImportRefused (one line) unless `path` is allowed; None allows every path. Nothing is
-    imported to decide: a path a caller sends runs no code of theirs until it is allowed."""
-    if allow_import is not None and not import_allowed(path, allow_import):
-        allowed = ", ".join(allow_import) or "none (built-ins only)"
-        raise ImportRefused(
-            f"import path {path[:200]!r} is not allowed here: allowed prefixes {allowed} (--allow-import)"
-        )
-
-
-def resolve_import_path(path: str) -> Callable[..., object]:
-    """Import the callable named by `"package.module:attribute"`; ValueError says why it failed.
-
-    The one resolver for user-supplied datasets and models.
-    """
-    module_name, sep, attribute = path.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"{path!r} is not of the form 'package.module:function'")
-    try:
-        target: object = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} ({err})") from err
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attribute!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ValueError(f"{path!r} is not callable")
-    return target
 
 
 # Several workers in one process load the same dataset: build it once.
@@ -214,7 +160,7 @@ def _digits() -> Dataset:
         train_y=torch.from_numpy(train_y),
         test_x=torch.from_numpy(test_x),
         test_y=torch.from_numpy(test_y),
-        task=BUILTIN_TASKS["digits"],
+        task=DATASET_TASKS["digits"],
         input_shape=(64,),
         num_classes=10,
     )
@@ -243,7 +189,7 @@ def _synthetic_images(n_train: int, n_test: int, seed: int) -> Dataset:
         train_y=train_y,
         test_x=test_x,
         test_y=test_y,
-        task=BUILTIN_TASKS["synthetic-images"],
+        task=DATASET_TASKS["synthetic-images"],
         input_shape=_IMAGE_SHAPE,
         num_classes=_IMAGE_CLASSES,
     )
@@ -280,7 +226,7 @@ def _synthetic_tokens(n_train: int, n_test: int, seed: int) -> Dataset:
         train_y=train[:, 1:].contiguous(),
         test_x=test[:, :-1].contiguous(),
         test_y=test[:, 1:].contiguous(),
-        task=BUILTIN_TASKS["synthetic-tokens"],
+        task=DATASET_TASKS["synthetic-tokens"],
         input_shape=(_TOKEN_SEQ_LEN,),
         num_classes=_TOKEN_VOCAB,
     )
@@ -313,7 +259,7 @@ def _synthetic_tokens_varlen(n_train: int, n_test: int, seed: int) -> Dataset:
         train_y=train_y,
         test_x=test_x,
         test_y=test_y,
-        task=BUILTIN_TASKS["synthetic-tokens-varlen"],
+        task=DATASET_TASKS["synthetic-tokens-varlen"],
         input_shape=(_VARLEN_MAX,),
         num_classes=_TOKEN_VOCAB,
     )

@@ -6,7 +6,7 @@ Each rule comes from runs that trained to chance where `sync` with the same sett
 
 from __future__ import annotations
 
-from gradps.optimizer import asynchrony_aware, averages_gradients
+from gradps.optimizer_spec import asynchrony_aware, averages_gradients
 from gradps.v1 import run_pb2
 
 # The largest step of one asynchronous push, lr / (1 - momentum) as the shards apply it, that

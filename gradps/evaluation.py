@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradps.datasets import PAD_TARGET, TASKS, Dataset
+from gradps.datasets import PAD_TARGET, Dataset
+from gradps.tasks import TASKS
 
 
 def _classification_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -9,7 +9,6 @@ Labels stay few and bounded: method, code, scheme, codec, transport, state; neve
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gradps.codec_table import codec_family
 from gradps.serving import Park
 from gradps.v1 import tensor_pb2
 
@@ -163,19 +163,6 @@ def series_names() -> frozenset[str]:
         for family in metric.describe():
             names.update(family.name + suffix for suffix in _SUFFIXES[family.type])
     return frozenset(names)
-
-
-@functools.cache
-def _codec_names() -> dict[int, str]:
-    # Imported here: the codecs bring torch, which a gRPC server's interceptor does not need.
-    from gradps.codecs import CODECS
-
-    return {c.enum: c.name for c in CODECS}
-
-
-def codec_label(params: tensor_pb2.CodecParams) -> str:
-    """A codec's family name ("topk", not "topk:0.01"): a label with as many values as codecs."""
-    return _codec_names().get(params.codec or tensor_pb2.CODEC_NONE, "unknown")
 
 
 # ---- the gRPC server interceptor -----------------------------------------------------------------
@@ -320,8 +307,8 @@ class WorkerSeries:
         self._samples = WORKER_SAMPLES.labels(scheme)
         self._step_seconds = WORKER_STEP_SECONDS.labels(scheme)
         self._wait_seconds = WORKER_WAIT_SECONDS.labels(scheme)
-        self._pushed = WORKER_PUSHED_BYTES.labels(transport, codec_label(codec))
-        self._pulled = WORKER_PULLED_BYTES.labels(transport, codec_label(pull_codec))
+        self._pushed = WORKER_PUSHED_BYTES.labels(transport, codec_family(codec))
+        self._pulled = WORKER_PULLED_BYTES.labels(transport, codec_family(pull_codec))
         self._counted = (0, 0)
 
     def step(self, steps: int, samples: int, step_s: float, wait_s: float) -> None:

@@ -17,7 +17,9 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
-from gradps.datasets import Dataset, check_import_allowed, resolve_import_path
+from gradps.datasets import Dataset
+from gradps.import_paths import check_import_allowed, resolve_import_path
+from gradps.tasks import check_task
 
 
 class MLP(nn.Module):
@@ -164,12 +166,6 @@ def _image_shape(dataset: Dataset) -> tuple[int, int, int]:
     raise ValueError(f"dataset {dataset.name!r}: input_shape {shape} is not (C, H, W), (H, W) or a flat square image")
 
 
-def check_task(model: str, dataset: str, task: str) -> None:
-    """ValueError unless the built-in `model` is for datasets of `task` (that of `dataset`)."""
-    if MODEL_TASKS[model] != task:
-        raise ValueError(f"model {model!r} needs a {MODEL_TASKS[model]} dataset, but {dataset!r} is {task}")
-
-
 def _build_mlp(dataset: Dataset) -> nn.Module:
     return MLP(math.prod(dataset.input_shape), dataset.num_classes)
 
@@ -188,13 +184,6 @@ def _build_transformer(dataset: Dataset) -> nn.Module:
     return CausalTransformer(dataset.num_classes, dataset.input_shape[0])
 
 
-# The task of the datasets each built-in model is for.
-MODEL_TASKS = {
-    "mlp": "classification",
-    "cnn": "classification",
-    "resnet18": "classification",
-    "transformer": "language_model",
-}
 _BUILDERS: dict[str, Callable[[Dataset], nn.Module]] = {
     "mlp": _build_mlp,
     "cnn": _build_cnn,

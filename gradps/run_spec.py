@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 from gradps.channel import MAX_PART_BYTES
-from gradps.codecs import CodecError, get_codec, get_pull_codec
-from gradps.datasets import BUILTIN_TASKS
-from gradps.models import MODEL_TASKS, check_task
-from gradps.optimizer import validate as validate_optimizer
+from gradps.codec_table import CodecError, check_codec, check_pull_codec
+from gradps.optimizer_spec import validate as validate_optimizer
 from gradps.placement import DEFAULT_PART_SIZE
 from gradps.schemes import DEFAULT_SCHEME, default_params, fill_unset, get_scheme, validate_params
+from gradps.tasks import DATASET_TASKS, MODEL_TASKS, check_task
 from gradps.v1 import run_pb2, tensor_pb2
 
 # Workers of one run. A run that asks for more workers than the cluster has live waits without
@@ -101,12 +100,12 @@ def _validate_model_and_dataset(spec: run_pb2.RunSpec) -> None:
         raise ValueError(
             f"unknown model {spec.model!r}; choose one of {', '.join(MODEL_TASKS)} or package.module:function"
         )
-    if ":" not in spec.dataset and spec.dataset not in BUILTIN_TASKS:
+    if ":" not in spec.dataset and spec.dataset not in DATASET_TASKS:
         raise ValueError(
-            f"unknown dataset {spec.dataset!r}; choose one of {', '.join(BUILTIN_TASKS)} or package.module:function"
+            f"unknown dataset {spec.dataset!r}; choose one of {', '.join(DATASET_TASKS)} or package.module:function"
         )
-    if spec.model in MODEL_TASKS and spec.dataset in BUILTIN_TASKS:
-        check_task(spec.model, spec.dataset, BUILTIN_TASKS[spec.dataset])
+    if spec.model in MODEL_TASKS and spec.dataset in DATASET_TASKS:
+        check_task(spec.model, spec.dataset, DATASET_TASKS[spec.dataset])
 
 
 def _validate_sizes(spec: run_pb2.RunSpec) -> None:
@@ -126,11 +125,11 @@ def _validate_sizes(spec: run_pb2.RunSpec) -> None:
 
 def _validate_codecs(spec: run_pb2.RunSpec) -> None:
     try:  # the registry's own checks, as the shards make them on every pushed or pulled part
-        get_codec(spec.codec)
+        check_codec(spec.codec)
     except CodecError as e:
         raise ValueError(f"codec: {e}") from None
     try:
-        get_pull_codec(spec.pull_codec)
+        check_pull_codec(spec.pull_codec)
     except CodecError as e:
         raise ValueError(str(e)) from None
 

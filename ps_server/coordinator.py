@@ -35,6 +35,7 @@ from gradps.channel import (
     port_option,
     serve_metrics,
     serve_until_signal,
+    time_left,
     wait_for_call,
     write_port_file,
 )
@@ -49,6 +50,7 @@ from gradps.errors import (
     TooLarge,
     Unavailable,
 )
+from gradps.import_paths import ImportRefused, check_import_allowed
 from gradps.logs import configure_logging, log_options
 from gradps.placement import place
 from gradps.run_spec import MEMBERSHIP_CHANGES_PER_WORKER, validate, with_defaults
@@ -68,7 +70,6 @@ from ps_server.coordinator_limits import (
 )
 from ps_server.recovery import Restart, go_back, recover
 from ps_server.run_store import RunStore, StoreError
-from ps_server.waiting import time_left
 
 _LOGGER = logging.getLogger("gradps.coordinator")
 _ENDED = (cpb.RUN_STATE_COMPLETED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_STOPPED)
@@ -1317,8 +1318,6 @@ def _count(n: int, noun: str) -> str:
 
 def _check_imports_allowed(spec: run_pb2.RunSpec, allow_import: tuple[str, ...]) -> None:
     """Refuse a model or dataset import path the operator did not allow (the workers check again)."""
-    from gradps.datasets import ImportRefused, check_import_allowed
-
     for name in (spec.model, spec.dataset):
         if ":" in name:
             try:

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from gradps.codecs import CodecError, encode_part, format_codec, is_plain
+from gradps.codec_table import format_codec
+from gradps.codecs import CodecError, encode_part, is_plain
 from gradps.codecs.base import require_finite
 from gradps.errors import NotNow, OutOfRange
 from gradps.transport import Item

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from gradps.channel import MAX_PART_BYTES
 from gradps.errors import Invalid, NotFound, RolledBack, Unavailable, one_line
-from gradps.optimizer import validate as validate_optimizer
+from gradps.optimizer_spec import validate as validate_optimizer
 from gradps.placement import PartKey, dtype_name
 from gradps.run_spec import MEMBERSHIP_CHANGES_PER_WORKER
 from gradps.v1 import run_pb2, shard_pb2, tensor_pb2

@@ -41,9 +41,11 @@ from gradps.channel import (
     port_option,
     serve_metrics,
     serve_until_signal,
+    time_left,
     write_port_file,
 )
-from gradps.codecs import CodecError, decode_part, decode_summand, get_pull_codec, is_plain
+from gradps.codec_table import check_pull_codec, codec_family
+from gradps.codecs import CodecError, decode_part, decode_summand, is_plain
 from gradps.data_stream import DataStream, StreamListener
 from gradps.device import device_option
 from gradps.errors import (
@@ -90,7 +92,7 @@ from ps_server.run_checks import (
 )
 from ps_server.run_state import Part, Push, RunState
 from ps_server.schemes import ShardRule, open_run
-from ps_server.waiting import call_park, call_wait, time_left
+from ps_server.waiting import call_park, call_wait
 
 _LOGGER = logging.getLogger("gradps.shard")
 
@@ -651,7 +653,7 @@ def _pull_route(
     """Where a pull's answer goes, checked before any wait (a data stream is held only once
     the parts are ready), with its codec."""
     try:
-        get_pull_codec(request.codec)
+        check_pull_codec(request.codec)
     except CodecError as e:
         raise Invalid(str(e)) from None
     return sending(run, request.worker_id, request, context, snapshot=rule.pulls_race_updates)
@@ -692,7 +694,7 @@ def _answer(
         with route as out:
             yield from frame(header, _tallied(items, pulled), out, guard=run.cond)
     finally:  # what went before a cancel counts too, as in GetStats
-        metrics.SHARD_PULLED_BYTES.labels(_pull_transport(request), metrics.codec_label(request.codec)).inc(pulled[0])
+        metrics.SHARD_PULLED_BYTES.labels(_pull_transport(request), codec_family(request.codec)).inc(pulled[0])
     metrics.SHARD_PULL_SECONDS.labels(run.spec.scheme).observe(time.perf_counter() - began)
 
 
@@ -739,7 +741,7 @@ def _apply(got: Received, context: grpc.ServicerContext, began: float, changed: 
     scheme = run.spec.scheme
     metrics.SHARD_PUSH_SECONDS.labels(scheme).observe(time.perf_counter() - began)
     metrics.SHARD_STALENESS.labels(scheme).observe(staleness)
-    metrics.SHARD_PUSHED_BYTES.labels(transport, metrics.codec_label(run.spec.codec)).inc(got.nbytes)
+    metrics.SHARD_PUSHED_BYTES.labels(transport, codec_family(run.spec.codec)).inc(got.nbytes)
     return answer
 
 

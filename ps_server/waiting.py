@@ -3,7 +3,6 @@ outliving its call, and without holding a thread while it waits (`call_park`).""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -29,11 +28,6 @@ def call_park(run: RunState, ready: Callable[[], bool], timeout_s: float, key: o
         return run.restore_epoch != epoch or run.closed or run.ended or ready()
 
     yield from parked(run.cond, settled, timeout_s, None if key is None else (epoch, key))
-
-
-def time_left(end: float) -> float:
-    """Seconds until the monotonic time `end`, at least 0."""
-    return max(0.0, end - time.monotonic())
 
 
 def call_wait(run: RunState, context: grpc.ServicerContext, waiting: str) -> Wait:

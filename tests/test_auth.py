@@ -33,7 +33,8 @@ from client.local_cluster import LocalCluster
 from client.report import follow
 from client.sdk import Client, GradpsError, run_spec
 from gradps.auth import access, tokens
-from gradps.datasets import Dataset, ImportRefused, import_allowed, load_dataset
+from gradps.datasets import Dataset, load_dataset
+from gradps.import_paths import ImportRefused, import_allowed
 from gradps.parameter_client import tensor_specs
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, shard_pb2, tensor_pb2

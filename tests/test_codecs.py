@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from gradps.codec_table import format_codec, parse_codec
 from gradps.codecs import (
     Codec,
     CodecError,
@@ -23,10 +24,8 @@ from gradps.codecs import (
     decode_part,
     decode_summand,
     encode_part,
-    format_codec,
     get_codec,
     maybe_lz4,
-    parse_codec,
     unwrap,
 )
 from gradps.codecs.randk import sample_indices
@@ -520,7 +519,7 @@ def test_format_parse_round_trip(params: tensor_pb2.CodecParams) -> None:
 def test_parse_is_lenient_on_case_and_space_only() -> None:
     assert parse_codec(" TopK:0.010 ") == parse_codec("topk:0.01")
     assert format_codec(tensor_pb2.CodecParams()) == "none"  # CODEC_UNSPECIFIED means none
-    assert get_codec(tensor_pb2.CodecParams()).name == "none"
+    assert get_codec(tensor_pb2.CodecParams()).entry.name == "none"
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import torch
 
 from client.local_cluster import LocalCluster
 from gradps.channel import open_channel
+from gradps.codec_table import parse_codec
 from gradps.codecs import (
     CodecError,
     ErrorFeedback,
@@ -25,7 +26,6 @@ from gradps.codecs import (
     decode_part,
     decode_summand,
     encode_part,
-    parse_codec,
 )
 from gradps.codecs.bench import bench_real_gradients, capture_gradients
 from gradps.parameter_client import ParameterClient

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradps.codecs import decode_part, encode_part, parse_codec
+from gradps.codec_table import parse_codec
+from gradps.codecs import decode_part, encode_part
 from gradps.optimizer import ShardOptimizer, kernels
 from gradps.v1 import run_pb2
 from tests.test_optimizer import SPECS, apply_calls

@@ -23,7 +23,7 @@ import torch
 
 from gradps import data_stream, wire
 from gradps.channel import bind, make_server, open_channel
-from gradps.codecs import parse_codec
+from gradps.codec_table import parse_codec
 from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError, StreamListener
 from gradps.errors import Invalid
 from gradps.parameter_client import ParameterClient, tensor_specs

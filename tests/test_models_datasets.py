@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from gradps import datasets as datasets_module
-from gradps.datasets import BUILTIN_TASKS, Dataset, ShardSampler, builtin_dataset_names, load_dataset
+from gradps.datasets import Dataset, ShardSampler, builtin_dataset_names, load_dataset
 from gradps.evaluation import compute_loss, evaluate, loss_fn
-from gradps.models import MODEL_TASKS, build_model, model_names
+from gradps.models import build_model, model_names
 from gradps.run_spec import default_spec, validate
+from gradps.tasks import DATASET_TASKS, MODEL_TASKS
 
 # (model, dataset) pairs that every built-in model is exercised on; small sizes keep the tests fast.
 _MODEL_CASES = [
@@ -220,7 +221,7 @@ def _validate(model: str, dataset: str) -> None:
 
 def test_the_tasks_a_spec_is_checked_by_are_those_of_the_models_and_datasets() -> None:
     assert list(MODEL_TASKS) == model_names()
-    for name, task in BUILTIN_TASKS.items():
+    for name, task in DATASET_TASKS.items():
         assert _dataset(name).task == task, name
     for model, dataset in [("mlp", "synthetic-images"), ("transformer", "synthetic-tokens-varlen")]:
         _validate(model, dataset)  # a pair the workers build

@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradps.optimizer import (
-    ShardOptimizer,
-    asynchrony_aware,
-    learning_rate,
-    make_optimizer,
-    model_averaged,
-    validate,
-)
+from gradps.optimizer import ShardOptimizer, make_optimizer
+from gradps.optimizer_spec import asynchrony_aware, learning_rate, model_averaged, validate
 from gradps.v1 import run_pb2
 
 SPECS = [

@@ -8,7 +8,8 @@ import pytest
 from client.cli import cli
 from client.sdk import run_spec
 from gpu_worker.schemes import WORKER_SCHEMES
-from gradps.codecs import CODECS, codec_forms, get_codec, get_pull_codec, parse_codec
+from gradps.codec_table import ENTRIES, check_pull_codec, codec_forms, parse_codec
+from gradps.codecs import CODECS, get_codec
 from gradps.codecs.bench import CODECS as BENCH_CODECS
 from gradps.run_spec import default_spec, validate, with_defaults
 from gradps.schemes import PARAMS, SCHEMES, check_implemented, schemes_of
@@ -122,37 +123,37 @@ def test_explicit_presence_keeps_zero_and_absence_takes_the_default() -> None:
 
 def test_every_codec_enum_value_has_exactly_one_codec() -> None:
     enums = [v for v in tensor_pb2.Codec.values() if v != tensor_pb2.CODEC_UNSPECIFIED]
-    registered = [codec.enum for codec in CODECS]
-    assert sorted(registered) == sorted(enums)
-    assert len({codec.name for codec in CODECS}) == len(CODECS)
+    assert sorted(entry.enum for entry in ENTRIES) == sorted(enums)
+    assert len({entry.name for entry in ENTRIES}) == len(ENTRIES)
+    assert [codec.entry for codec in CODECS] == list(ENTRIES)  # each entry bound to its own class
 
 
 @pytest.mark.parametrize("form", codec_forms())
 def test_every_codec_form_parses_to_its_codec(form: str) -> None:
     params = parse_codec(form.replace("RATIO", "0.5"))
     codec = get_codec(params)
-    assert form.startswith(codec.name) and params.codec == codec.enum
+    assert form.startswith(codec.entry.name) and params.codec == codec.entry.enum
 
 
 def test_pull_codecs_are_the_registered_ones() -> None:
-    for codec in CODECS:
-        params = parse_codec(next(f for f in codec_forms() if f.startswith(codec.name)).replace("RATIO", "0.5"))
-        if codec.pull:
-            get_pull_codec(params)
+    for entry in ENTRIES:
+        params = parse_codec(next(f for f in codec_forms() if f.startswith(entry.name)).replace("RATIO", "0.5"))
+        if entry.pull:
+            assert check_pull_codec(params) == entry
         else:
             with pytest.raises(ValueError, match="pull codec must be"):
-                get_pull_codec(params)
+                check_pull_codec(params)
 
 
 def test_cli_codec_help_lists_every_codec_form() -> None:
     options = _params("train")
     for form in codec_forms():
         assert form in (options["codec"].help or "")
-    assert set(codec_forms(pull=True)) == {c.name for c in CODECS if c.pull}
+    assert set(codec_forms(pull=True)) == {e.name for e in ENTRIES if e.pull}
     for form in codec_forms(pull=True):
         assert form in (options["pull_codec"].help or "")
 
 
 def test_the_codec_bench_covers_every_codec() -> None:
-    assert {get_codec(parse_codec(text)).enum for text in BENCH_CODECS} == {c.enum for c in CODECS}
+    assert {get_codec(parse_codec(text)).entry for text in BENCH_CODECS} == set(ENTRIES)
     assert len(BENCH_CODECS) == len(codec_forms())

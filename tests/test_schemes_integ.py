@@ -175,7 +175,7 @@ def test_compare_runs_every_scheme_to_95_percent(tmp_path):
 def test_every_scheme_reaches_95_percent_with_the_optimizers_users_bring(tmp_path, optimizer):
     """SGD with momentum 0.9 at DDP's usual lr and Adam: asgd diverged to 10% and pseudosync
     never reached 95% with momentum before the asynchrony-aware shard optimizer
-    (gradps.optimizer.asynchrony_aware) and pseudosync's pass-through predictor."""
+    (gradps.optimizer_spec.asynchrony_aware) and pseudosync's pass-through predictor."""
     import json
     import subprocess
     import sys

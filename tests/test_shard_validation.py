@@ -16,7 +16,8 @@ import torch
 
 from client.sdk import Client
 from gradps import wire
-from gradps.codecs import encode_part, parse_codec
+from gradps.codec_table import parse_codec
+from gradps.codecs import encode_part
 from gradps.parameter_client import tensor_specs
 from gradps.placement import place
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gradps.channel import open_channel
-from gradps.codecs import parse_codec
+from gradps.codec_table import parse_codec
 from gradps.shared_memory import ALIGN, Segment, SegmentError, pid_namespace
 from gradps.transport import shared_memory as shared_route
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2

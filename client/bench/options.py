@@ -11,8 +11,7 @@ import click
 from rich.console import Console
 
 from client.usage import output_file
-from gradps.codecs import CodecError, parse_codec
-from gradps.codecs.registry import get_pull_codec
+from gradps.codec_table import CodecError, check_pull_codec, parse_codec
 from gradps.parameter_client import TRANSPORTS
 
 
@@ -47,7 +46,7 @@ def parse_codecs(ctx: click.Context, param: click.Parameter, value: str) -> list
         try:
             params = parse_codec(codec)
             if param.name == "pull_codecs":
-                get_pull_codec(params)
+                check_pull_codec(params)
         except (ValueError, CodecError) as e:
             raise click.BadParameter(str(e)) from None
     return items

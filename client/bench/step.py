@@ -26,7 +26,7 @@ from client.sdk import Client
 from client.terminal import table_console
 from client.usage import one_line_errors
 from gradps.channel import open_channel
-from gradps.codecs import parse_codec
+from gradps.codec_table import parse_codec
 from gradps.device import device_option
 from gradps.parameter_client import TRANSPORTS
 from gradps.schemes import SCHEMES

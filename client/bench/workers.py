@@ -56,7 +56,7 @@ def _run_job(
     import torch
 
     from client.bench.options import COLOCATED
-    from gradps.codecs import parse_codec
+    from gradps.codec_table import parse_codec
     from gradps.parameter_client import ParameterClient, tensor_specs
     from gradps.v1 import coordinator_pb2 as cpb
 
@@ -174,7 +174,7 @@ def submit_run(
     """Submit the run a Job runs in, once every worker is idle: asgd for push_pull, sync for
     sync_step; returns its id."""
     from client.sdk import Client
-    from gradps.codecs import parse_codec
+    from gradps.codec_table import parse_codec
     from gradps.v1 import run_pb2
 
     spec = run_pb2.RunSpec(

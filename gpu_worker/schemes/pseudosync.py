@@ -32,7 +32,8 @@ import torch
 
 from gpu_worker.schemes.base import Replica, WorkerScheme
 from gradps.errors import RolledBack
-from gradps.optimizer import ScheduledOptimizer, averages_gradients
+from gradps.optimizer import ScheduledOptimizer
+from gradps.optimizer_spec import averages_gradients
 
 
 class PseudosyncWorker(WorkerScheme):

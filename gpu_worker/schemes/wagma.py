@@ -11,7 +11,8 @@ import torch
 
 from gpu_worker.schemes.base import Replica, WorkerScheme
 from gpu_worker.schemes.group_schedule import default_group_size, group_of
-from gradps.optimizer import ScheduledOptimizer, model_averaged
+from gradps.optimizer import ScheduledOptimizer
+from gradps.optimizer_spec import model_averaged
 
 
 class WagmaWorker(WorkerScheme):

@@ -76,7 +76,7 @@ def server_secret(secret: str | None, secret_file: str | None, bind: str, insecu
 
 def allow_import_option(fn: Callable) -> Callable:
     """`--allow-import PREFIX` (repeatable; GRADPS_ALLOW_IMPORT, space-separated): the import paths
-    of models and datasets that runs may name (gradps.datasets.check_import_allowed)."""
+    of models and datasets that runs may name (gradps.import_paths.check_import_allowed)."""
     return click.option(
         "--allow-import",
         envvar="GRADPS_ALLOW_IMPORT",

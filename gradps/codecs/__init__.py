@@ -13,15 +13,7 @@ import torch
 from gradps.codecs.base import Buffer, Codec, CodecError, check_count, flat_float32
 from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4, unwrap
-from gradps.codecs.registry import (
-    CODECS,
-    codec_forms,
-    codec_syntax,
-    format_codec,
-    get_codec,
-    get_pull_codec,
-    parse_codec,
-)
+from gradps.codecs.registry import CODECS, get_codec
 from gradps.codecs.sparse import SparseCodec, SparsePart
 from gradps.v1 import tensor_pb2
 
@@ -33,18 +25,13 @@ __all__ = [
     "ErrorFeedback",
     "SparseCodec",
     "SparsePart",
-    "codec_forms",
-    "codec_syntax",
     "decode_part",
     "decode_summand",
     "encode_part",
-    "format_codec",
     "get_codec",
-    "get_pull_codec",
     "is_plain",
     "max_wire_bytes",
     "maybe_lz4",
-    "parse_codec",
     "plain_payload",
     "unwrap",
 ]

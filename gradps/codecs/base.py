@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from gradps.codec_table import CodecEntry, CodecError
 from gradps.v1 import tensor_pb2
 
 if sys.byteorder != "little":  # payloads are little-endian and are viewed in place, never byte-swapped
@@ -34,30 +35,16 @@ with warnings.catch_warnings():
 _SCALE = struct.Struct("<f")
 
 
-class CodecError(ValueError):
-    """A payload or codec parameter that cannot be decoded; its message is one line for the
-    caller to return as gRPC INVALID_ARGUMENT."""
-
-
 class Codec(abc.ABC):
     """One wire encoding of a part's float32 values.
 
     Subclasses implement `_encode`, `_decode` and the two size functions; the public `encode` and
-    `decode` validate their arguments first, so every codec rejects bad input the same way. Their
-    class attributes are the codec's registration: `gradps.codecs.registry` derives the rest.
+    `decode` validate their arguments first, so every codec rejects bad input the same way. Its
+    `entry` is its registration (`gradps.codecs.registry`).
     """
 
-    # Short name used in CLI strings and tables, e.g. "int8".
-    name: ClassVar[str]
-    # The tensor.proto Codec enum value whose payload layout it writes.
-    enum: ClassVar[tensor_pb2.Codec]
-    # True when decode(encode(x)) may differ from x (the sender then keeps error feedback).
-    lossy: ClassVar[bool]
-    # True when weights may be pulled in it: a shard keeps no error feedback per puller, so only
-    # dense codecs whose values arrive whole.
-    pull: ClassVar[bool] = False
-    # The CodecParams fields it takes besides `codec` (the registry knows how the CLI writes each).
-    params: ClassVar[tuple[str, ...]] = ()
+    # Its entry in gradps.codec_table: name, enum value, lossy, pull and params.
+    entry: ClassVar[CodecEntry]
 
     @classmethod
     def from_params(cls, params: tensor_pb2.CodecParams, generator: torch.Generator | None) -> Codec:
@@ -83,12 +70,12 @@ class Codec(abc.ABC):
         """max |value| of a tensor `encode` accepts; TypeError, ValueError or CodecError if not."""
         if values.dtype != torch.float32 or values.dim() != 1 or values.device.type != "cpu":
             raise TypeError(
-                f"{self.name}: encode takes a 1-D float32 CPU tensor, got {values.dtype} "
+                f"{self.entry.name}: encode takes a 1-D float32 CPU tensor, got {values.dtype} "
                 f"with shape {tuple(values.shape)} on {values.device}"
             )
         if not values.is_contiguous():
-            raise ValueError(f"{self.name}: encode takes a contiguous tensor")
-        low, high = check_finite(values, f"{self.name}: values to encode")
+            raise ValueError(f"{self.entry.name}: encode takes a contiguous tensor")
+        low, high = check_finite(values, f"{self.entry.name}: values to encode")
         return max(-low, high)
 
     def decode(self, payload: Buffer, count: int, device: torch.device | str) -> torch.Tensor:

@@ -13,9 +13,10 @@ from collections.abc import Callable
 import lz4.frame
 import torch
 
+from gradps.codec_table import codec_forms, parse_codec
 from gradps.codecs.error_feedback import ErrorFeedback
 from gradps.codecs.framing import maybe_lz4
-from gradps.codecs.registry import codec_forms, get_codec, parse_codec
+from gradps.codecs.registry import get_codec
 
 # Every registered codec form; sparse codecs keep 1%.
 CODECS = tuple(form.replace("RATIO", "0.01") for form in codec_forms())

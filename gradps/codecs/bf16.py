@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from gradps.codec_table import BY_NAME
 from gradps.codecs.dense import DenseFloatCodec
-from gradps.v1 import tensor_pb2
 
 
 class Bf16Codec(DenseFloatCodec):
     """`count` bfloat16 values, rounded to nearest even (relative error <= 2**-8); float32's range."""
 
-    name = "bf16"
-    enum = tensor_pb2.CODEC_BF16
-    pull = True
-    lossy = True
+    entry = BY_NAME["bf16"]
     wire_dtype = torch.bfloat16

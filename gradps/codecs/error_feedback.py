@@ -35,7 +35,7 @@ class ErrorFeedback:
         rather than left half-updated.
         """
         flat = flat_float32(grad)  # may alias grad: only read
-        if not codec.lossy:
+        if not codec.entry.lossy:
             return codec.encode(flat)
         corrected = self._corrected(key, flat)
         # corrected - transmitted, left in place; sparse codecs touch only the k sent elements.

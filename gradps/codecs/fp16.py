@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from gradps.codec_table import BY_NAME
 from gradps.codecs.dense import DenseFloatCodec
-from gradps.v1 import tensor_pb2
 
 
 class Fp16Codec(DenseFloatCodec):
     """`count` binary16 values, rounded to nearest even (relative error <= 2**-11)."""
 
-    name = "fp16"
-    enum = tensor_pb2.CODEC_FP16
-    pull = True
-    lossy = True
+    entry = BY_NAME["fp16"]
     wire_dtype = torch.float16

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gradps.codec_table import BY_NAME
 from gradps.codecs.base import Codec, CodecError, check_length, empty_values, pack_scale, read_scale, view_as
 from gradps.v1 import tensor_pb2
 
@@ -23,10 +24,7 @@ _MAX_SCALE = float(torch.finfo(torch.float32).max) / 128
 class Int8Codec(Codec):
     """Per-part absmax scaling to int8, round to nearest (default) or stochastic."""
 
-    name = "int8"
-    enum = tensor_pb2.CODEC_INT8
-    lossy = True
-    params = ("stochastic_rounding",)
+    entry = BY_NAME["int8"]
 
     def __init__(self, stochastic_rounding: bool = False, generator: torch.Generator | None = None) -> None:
         """`generator` drives stochastic rounding (torch's default generator when None)."""
@@ -53,7 +51,7 @@ class Int8Codec(Codec):
         out = np.empty(4 + count, dtype=np.uint8)
         scale = float(np.float32(peak / 127.0))
         if scale > _MAX_SCALE:
-            raise CodecError(f"{self.name}: |value| up to {peak:g} is too large to quantize")
+            raise CodecError(f"{self.entry.name}: |value| up to {peak:g} is too large to quantize")
         if scale < _TINY:
             # All zeros, or so small that 1/scale overflows float32: send zeros with scale 0 (error
             # feedback keeps the values in the residual).
@@ -89,10 +87,10 @@ class Int8Codec(Codec):
                 np.subtract(chunk, np.multiply(scaled, subtract_scale, out=scaled), out=chunk)
 
     def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
-        check_length(payload, 4 + count, self.name, count)
-        scale = read_scale(payload, self.name)
+        check_length(payload, 4 + count, self.entry.name, count)
+        scale = read_scale(payload, self.entry.name)
         if abs(scale) > _MAX_SCALE:  # q * s would overflow to Inf
-            raise CodecError(f"{self.name}: scale {scale:g} is too large")
+            raise CodecError(f"{self.entry.name}: scale {scale:g} is too large")
         # Ship the int8 buffer (a quarter of the float32 size) to the device, dequantize there.
         out = empty_values(count, device).copy_(view_as(payload, torch.int8, 4, count).to(device))
         return out.mul_(scale)

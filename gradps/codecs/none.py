@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from gradps.codec_table import BY_NAME
 from gradps.codecs.dense import DenseFloatCodec
-from gradps.v1 import tensor_pb2
 
 
 class NoneCodec(DenseFloatCodec):
     """Lossless: `count` float32 values, little-endian."""
 
-    name = "none"
-    enum = tensor_pb2.CODEC_NONE
-    pull = True
-    lossy = False
+    entry = BY_NAME["none"]
     wire_dtype = torch.float32

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from gradps.codec_table import BY_NAME
 from gradps.codecs.sparse import SparseCodec
 from gradps.v1 import tensor_pb2
 
@@ -18,8 +19,7 @@ from gradps.v1 import tensor_pb2
 class RandKCodec(SparseCodec):
     """Keeps k uniformly random elements."""
 
-    name = "randk"
-    enum = tensor_pb2.CODEC_RANDK
+    entry = BY_NAME["randk"]
 
     def __init__(self, ratio: float, generator: torch.Generator | None = None) -> None:
         """`generator` draws the indices (torch's default generator when None)."""

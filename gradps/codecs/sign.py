@@ -13,16 +13,14 @@ import math
 import numpy as np
 import torch
 
+from gradps.codec_table import BY_NAME
 from gradps.codecs.base import Codec, CodecError, check_length, empty_values, pack_scale, read_scale, view_as
-from gradps.v1 import tensor_pb2
 
 
 class SignCodec(Codec):
     """1 bit per element plus one scale per part."""
 
-    name = "sign"
-    enum = tensor_pb2.CODEC_SIGN
-    lossy = True
+    entry = BY_NAME["sign"]
 
     def payload_bytes(self, count: int) -> int:
         return 4 + (count + 7) // 8
@@ -34,14 +32,14 @@ class SignCodec(Codec):
         count = values.numel()
         total = torch.linalg.vector_norm(values, 1).item() if count else 0.0
         if not math.isfinite(total):  # the values are finite, their float32 sum is not
-            raise CodecError(f"{self.name}: sum of |value| overflows float32")
+            raise CodecError(f"{self.entry.name}: sum of |value| overflows float32")
         scale = total / count if count else 0.0
         bits = np.packbits((values > 0).numpy(), bitorder="little")
         return pack_scale(scale) + bits.tobytes()
 
     def _decode(self, payload: memoryview, count: int, device: torch.device) -> torch.Tensor:
-        check_length(payload, self.payload_bytes(count), self.name, count)
-        scale = read_scale(payload, self.name)
+        check_length(payload, self.payload_bytes(count), self.entry.name, count)
+        scale = read_scale(payload, self.entry.name)
         packed = view_as(payload, torch.uint8, 4, (count + 7) // 8).to(device)
         # Unpack on the device: byte b, bit j (LSB first) is element 8 * b + j.
         shifts = torch.arange(8, dtype=torch.uint8, device=device)

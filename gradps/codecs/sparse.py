@@ -14,6 +14,7 @@ from decimal import Decimal
 import numpy as np
 import torch
 
+from gradps.codec_table import check_ratio, ratio_text
 from gradps.codecs.base import (
     Buffer,
     Codec,
@@ -28,18 +29,6 @@ from gradps.codecs.base import (
 from gradps.v1 import tensor_pb2
 
 _MAX_COUNT = 1 << 32  # indices are uint32
-
-
-def ratio_text(ratio: float) -> str:
-    """The shortest decimal that reads back as the same float32: 0.1, not 0.10000000149."""
-    return str(np.float32(ratio))
-
-
-def check_ratio(ratio: float, codec: str) -> float:
-    """CodecError unless 0 < ratio <= 1 (the proto's CodecParams.ratio)."""
-    if not 0.0 < ratio <= 1.0:  # also false for NaN
-        raise CodecError(f"{codec}: ratio must be in (0, 1], got {ratio}")
-    return ratio
 
 
 def keep_count(ratio: float, count: int) -> int:
@@ -81,12 +70,9 @@ class SparseCodec(Codec):
     """Sends k = keep_count(ratio, count) (index, value) pairs chosen by `select`. A receiver that
     only sums parts takes them as SparsePart (`gradps.codecs.decode_summand`)."""
 
-    lossy = True
-    params = ("ratio",)
-
     def __init__(self, ratio: float) -> None:
         """`ratio` is the fraction of elements kept, in (0, 1]."""
-        self.ratio = check_ratio(ratio, self.name)
+        self.ratio = check_ratio(ratio, self.entry.name)
 
     @classmethod
     def from_params(cls, params: tensor_pb2.CodecParams, generator: torch.Generator | None) -> SparseCodec:
@@ -104,7 +90,7 @@ class SparseCodec(Codec):
 
     def _encode(self, values: torch.Tensor, peak: float) -> bytes:
         if values.numel() > _MAX_COUNT:
-            raise CodecError(f"{self.name}: a part of {values.numel()} values exceeds uint32 indices")
+            raise CodecError(f"{self.entry.name}: a part of {values.numel()} values exceeds uint32 indices")
         k = keep_count(self.ratio, values.numel())
         indices = self.select(values, k)
         words = np.empty(2 * k, dtype=np.uint32)  # k indices, then k float32 values
@@ -123,18 +109,20 @@ class SparseCodec(Codec):
         """
         payload, count, device = byte_view(payload), check_count(count), torch.device(device)
         if len(payload) % 8 or len(payload) > 8 * count:
-            raise CodecError(f"{self.name}: payload is {len(payload)} bytes, expected 8 * k with k <= {count} values")
+            raise CodecError(
+                f"{self.entry.name}: payload is {len(payload)} bytes, expected 8 * k with k <= {count} values"
+            )
         k = len(payload) // 8
         # Move the raw words to the device, widen there; uint32 is read as int32 then masked.
         indices = view_as(payload, torch.int32, 0, k).to(device).to(torch.int64).bitwise_and_(0xFFFFFFFF)
         values = view_as(payload, torch.float32, 4 * k, k).to(device, copy=True)
         if k:
             if k > 1 and not bool((indices[1:] > indices[:-1]).all()):
-                raise CodecError(f"{self.name}: indices are not strictly increasing (repeated or unsorted)")
+                raise CodecError(f"{self.entry.name}: indices are not strictly increasing (repeated or unsorted)")
             last = int(indices[-1])
             if last >= count:
-                raise CodecError(f"{self.name}: index {last} out of range for {count} values")
-            require_finite(values, f"{self.name}: values")
+                raise CodecError(f"{self.entry.name}: index {last} out of range for {count} values")
+            require_finite(values, f"{self.entry.name}: values")
         return indices, values
 
     def add_decoded(self, payload: Buffer, out: torch.Tensor, alpha: float = 1.0) -> None:

@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from gradps.codec_table import BY_NAME
 from gradps.codecs.sparse import SparseCodec
-from gradps.v1 import tensor_pb2
 
 # Magnitudes sampled to estimate the top-k threshold of a large part.
 _SAMPLE = 1 << 16
@@ -16,8 +16,7 @@ _SAMPLE = 1 << 16
 class TopKCodec(SparseCodec):
     """Keeps the k largest |x| (ties broken arbitrarily); error feedback carries the rest."""
 
-    name = "topk"
-    enum = tensor_pb2.CODEC_TOPK
+    entry = BY_NAME["topk"]
 
     def select(self, values: torch.Tensor, k: int) -> torch.Tensor:
         count = values.numel()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gradps.optimizer import asynchrony_aware
+from gradps.optimizer_spec import asynchrony_aware
 from gradps.placement import PartKey
 from gradps.v1 import run_pb2
 from ps_server.run_state import Part, Push, RunState
