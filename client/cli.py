@@ -20,7 +20,6 @@ from rich.console import Console
 from rich.table import Column, Table
 from rich.text import Text
 
-from client.ddp_baseline import BASELINES
 from client.help_sections import SectionedCommand
 from client.links import Links
 from client.local_cluster import LocalCluster
@@ -38,9 +37,9 @@ from gradps.codec_table import codec_syntax, parse_codec
 from gradps.device import device_option, resolve_option
 from gradps.divergence import known_to_diverge
 from gradps.netem import LAYOUTS, Layout
-from gradps.parameter_client import TRANSPORTS
 from gradps.run_spec import default_spec
 from gradps.schemes import PARAMS, SCHEMES, Param, schemes_of
+from gradps.transport import TRANSPORTS
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import run_pb2, tensor_pb2
 
@@ -690,7 +689,7 @@ def export(run_id: str, out: Path, checkpoint_step: int | None, coordinator: str
 @click.option(
     "--baseline",
     default="none",
-    type=click.Choice(BASELINES),
+    type=click.Choice(("none", "ddp")),
     help="ddp: also train the same run with torch DistributedDataParallel on this machine (--workers "
     "processes, gloo on CPU, nccl on CUDA): one more row, and each scheme's time to target over DDP's.",
 )

@@ -40,8 +40,6 @@ from gradps.run_spec import total_steps, with_defaults
 from gradps.slowdown import Slowdown
 from gradps.v1 import run_pb2
 
-# `gradps compare --baseline`: none, or torch DDP.
-BASELINES = ("none", "ddp")
 # The row's name in the comparison.
 SCHEME = "ddp"
 # A rank that waits this long in the rendezvous or in one collective (a peer died) gives up.

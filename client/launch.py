@@ -45,9 +45,9 @@ from gradps.launching import (
     worker_file,
     write_json,
 )
-from gradps.parameter_client import TRANSPORTS
 from gradps.run_spec import validate, with_defaults
 from gradps.schemes import DEFAULT_SCHEME, SCHEMES
+from gradps.transport import TRANSPORTS
 from gradps.v1 import run_pb2
 
 # Run options the script itself defines: its model, data, batches and torch optimizer.

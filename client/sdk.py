@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 from google.protobuf.message import Message
 
 from gradps.auth.tls import TlsFiles
 from gradps.channel import open_channel
 from gradps.codec_table import parse_codec
-from gradps.parameter_client import copy_part_into
 from gradps.run_spec import default_spec, validate, with_defaults
 from gradps.schemes import DEFAULT_SCHEME, PARAMS
 from gradps.v1 import coordinator_pb2 as cpb
 from gradps.v1 import coordinator_pb2_grpc, run_pb2, tensor_pb2
+
+if TYPE_CHECKING:
+    import torch
 
 _OPTIMIZER_FIELDS = frozenset(run_pb2.OptimizerSpec.DESCRIPTOR.fields_by_name) - {"name"}
 _RUN_FIELDS = frozenset(f.name for f in run_pb2.RunSpec.DESCRIPTOR.fields if f.message_type is None)
@@ -175,6 +176,12 @@ class Client:
     def export_state_dict(self, run_id: str, checkpoint_step: int | None = None) -> dict[str, torch.Tensor]:
         """The run's current parameters, assembled from all shards (through the coordinator), as a
         state_dict; with `checkpoint_step`, those of its checkpoint at that step (`checkpoints`)."""
+        # torch is loaded by the calls that return tensors alone: the CLI's other commands start
+        # in a fraction of a second without it.
+        import torch
+
+        from gradps.parameter_client import copy_part_into
+
         placement = self.run(run_id).placement
         if not placement.tensors:
             raise GradpsError(f"run {run_id} has no parameters on the shards yet")

@@ -10,8 +10,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from gradps.datasets import FIXED_SIZE
 from gradps.schemes import PARAMS, schemes_of
+from gradps.tasks import FIXED_SIZE
 
 # Options that define a run beside the spec options; a resumed run keeps its own spec.
 RUN_OPTIONS = ("scheme", "workers", "checkpoint_every")

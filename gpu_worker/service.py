@@ -18,9 +18,9 @@ from gradps.device import device_option
 from gradps.evaluation import compute_loss, evaluate
 from gradps.logs import configure_logging, log_options, set_log_context
 from gradps.models import build_model
-from gradps.parameter_client import TRANSPORTS
 from gradps.run_spec import total_steps
 from gradps.slowdown import Slowdown
+from gradps.transport import TRANSPORTS
 from gradps.v1 import coordinator_pb2
 from gradps.worker_session import Assignment, RunAbandoned, WorkerSession
 

@@ -21,7 +21,7 @@ from gpu_worker.trainer import Trainer
 from gradps.datasets import ShardSampler, load_dataset
 from gradps.evaluation import compute_loss
 from gradps.models import build_model
-from gradps.parameter_client import TRANSPORTS
+from gradps.transport import TRANSPORTS
 from gradps.worker_session import Assignment, WorkerSession
 
 

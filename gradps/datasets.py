@@ -18,8 +18,6 @@ import torch.nn.functional as F
 from gradps.import_paths import check_import_allowed, resolve_import_path
 from gradps.tasks import DATASET_TASKS, TASKS
 
-# Built-in datasets of a size of their own: a run's dataset_size does not apply to them.
-FIXED_SIZE = ("digits",)
 _DIGITS_TEST_FRACTION = 0.2
 # Fixed regardless of the caller's seed: every process must see the same train/test split.
 _DIGITS_SPLIT_SEED = 0

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(name: str) -> torch.device:
     """`auto` is CUDA when present, else CPU; asking for CUDA without one is an error."""
+    import torch  # here, not above: the CLI declares its --device options without loading torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -18,13 +18,17 @@ from gradps.cuts import Cuts
 from gradps.placement import ITEMSIZE, PartKey
 from gradps.shard_link import ShardLink
 from gradps.shared_memory import nbytes
-from gradps.transport import TRANSPORTS, Buffer, DataStreamRoute, Inbound, Item, SharedMemoryRoute
+from gradps.transport import TRANSPORTS
+from gradps.transport.base import Buffer, Inbound
+from gradps.transport.data_stream import DataStreamRoute
+from gradps.transport.framing import Item
+from gradps.transport.shared_memory import SharedMemoryRoute
 from gradps.v1 import run_pb2, shard_pb2, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")
 T = TypeVar("T")
 
-__all__ = ["TRANSPORTS", "ParameterClient", "Traffic", "copy_part_into", "tensor_specs"]
+__all__ = ["ParameterClient", "Traffic", "copy_part_into", "tensor_specs"]
 
 
 @dataclass

@@ -17,20 +17,11 @@ from gradps.auth.tls import client_tls
 from gradps.channel import open_channel
 from gradps.data_stream import StreamError
 from gradps.errors import RolledBack, Unmapped
-from gradps.transport import (
-    TRANSPORTS,
-    Buffer,
-    DataStreamRoute,
-    Inbound,
-    Item,
-    Outbound,
-    Route,
-    SharedMemoryRoute,
-    frame,
-    unframe,
-)
-from gradps.transport.data_stream import as_buffer
-from gradps.transport.framing import PART_FIELD
+from gradps.transport import TRANSPORTS
+from gradps.transport.base import Buffer, Inbound, Outbound, Route
+from gradps.transport.data_stream import DataStreamRoute, as_buffer
+from gradps.transport.framing import PART_FIELD, Item, frame, unframe
+from gradps.transport.shared_memory import SharedMemoryRoute
 from gradps.v1 import shard_pb2, shard_pb2_grpc, tensor_pb2
 
 _LOGGER = logging.getLogger("gradps.worker")

@@ -13,6 +13,8 @@ DATASET_TASKS = {
     "synthetic-tokens": "language_model",
     "synthetic-tokens-varlen": "language_model",
 }
+# Built-in datasets of a size of their own: a run's dataset_size does not apply to them.
+FIXED_SIZE = ("digits",)
 # The built-in models and the task of the datasets each is for.
 MODEL_TASKS = {
     "mlp": "classification",

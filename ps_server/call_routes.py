@@ -13,7 +13,9 @@ from google.protobuf.message import Message
 from gradps.data_stream import CallReceiver, CallSender, DataStream
 from gradps.errors import Invalid, NotNow, Unmapped
 from gradps.shared_memory import RegionWriter, Segment, SegmentError
-from gradps.transport import INLINE_OUT, Inbound, Outbound, RegionIn, RegionOut, StreamIn, StreamOut
+from gradps.transport.base import INLINE_OUT, Inbound, Outbound
+from gradps.transport.data_stream import StreamIn, StreamOut
+from gradps.transport.shared_memory import RegionIn, RegionOut
 from gradps.v1 import shard_pb2, tensor_pb2
 from ps_server.run_state import RunState
 

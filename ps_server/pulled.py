@@ -12,7 +12,7 @@ from gradps.codec_table import format_codec
 from gradps.codecs import CodecError, encode_part, is_plain
 from gradps.codecs.base import require_finite
 from gradps.errors import NotNow, OutOfRange
-from gradps.transport import Item
+from gradps.transport.framing import Item
 from gradps.v1 import tensor_pb2
 from ps_server.run_state import Part, RunState
 

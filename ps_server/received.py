@@ -22,7 +22,8 @@ from gradps.codecs import CodecError, decode_part, plain_payload
 from gradps.codecs.base import require_finite
 from gradps.errors import Cancelled, DataLost, Invalid, TimedOut
 from gradps.placement import PartKey
-from gradps.transport import Buffer, Inbound, unframe
+from gradps.transport.base import Buffer, Inbound
+from gradps.transport.framing import unframe
 from gradps.v1 import tensor_pb2
 from ps_server.call_routes import receiving
 from ps_server.run_checks import check_part

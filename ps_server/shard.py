@@ -64,7 +64,8 @@ from gradps.logs import configure_logging, log_options, set_log_context
 from gradps.placement import PartKey
 from gradps.serving import Park
 from gradps.shared_memory import Segment, SegmentError, check_name
-from gradps.transport import INLINE_IN, INLINE_OUT, Item, Outbound, frame, unframe
+from gradps.transport.base import INLINE_IN, INLINE_OUT, Outbound
+from gradps.transport.framing import Item, frame, unframe
 from gradps.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.call_routes import MAX_CLAIM_S, sending
 from ps_server.checkpoint import CheckpointError, Written

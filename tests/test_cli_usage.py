@@ -162,6 +162,27 @@ def _metrics_started(out: Path) -> bool:
     return metrics.exists() and metrics.stat().st_size > 0
 
 
+def test_the_cli_and_the_coordinator_run_without_torch(cluster: LocalCluster) -> None:
+    """Only what computes loads torch (shards, workers, compare's DDP baseline, the benches when
+    they run, export): every command's help and the commands that talk to the coordinator start
+    without it, and so does the coordinator."""
+    code = (
+        "import sys\n"
+        "from client.cli import cli\n"
+        f"cli(['runs', '--coordinator', {cluster.address!r}], standalone_mode=False)\n"
+        "for name in [*cli.commands, 'bench transport', 'bench step', 'bench memory', 'bench adam']:\n"
+        "    cli([*name.split(), '--help'], standalone_mode=False)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout.splitlines()[-1][:300]
+    assert cluster.coordinator is not None
+    maps = Path(f"/proc/{cluster.coordinator.pid}/maps").read_text()
+    assert "libtorch" not in maps
+    assert "libtorch" in Path(f"/proc/{cluster.shards[0].pid}/maps").read_text()  # the check can see it
+
+
 def test_sigterm_stops_the_embedded_cluster(tmp_path: Path) -> None:
     cli_process = _gradps("train", "--local", out=tmp_path)
     try:

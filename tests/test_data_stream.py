@@ -28,8 +28,8 @@ from gradps.data_stream import CallReceiver, CallSender, DataStream, StreamError
 from gradps.errors import Invalid
 from gradps.parameter_client import ParameterClient, tensor_specs
 from gradps.placement import place
-from gradps.transport import StreamIn
 from gradps.transport import data_stream as route_module
+from gradps.transport.data_stream import StreamIn
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc, tensor_pb2
 from ps_server.shard import ShardServicer, add_shard_servicer
 from tests.joined_run import NONE, asgd_steps, join_run, leave

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gradps import wire
 from gradps.errors import Invalid
-from gradps.transport import unframe
+from gradps.transport.framing import unframe
 from gradps.v1 import shard_pb2, tensor_pb2
 
 

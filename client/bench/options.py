@@ -12,7 +12,7 @@ from rich.console import Console
 
 from client.usage import output_file
 from gradps.codec_table import CodecError, check_pull_codec, parse_codec
-from gradps.parameter_client import TRANSPORTS
+from gradps.transport import TRANSPORTS
 
 
 def parse_list(kind: Callable) -> Callable:

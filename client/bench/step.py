@@ -28,8 +28,8 @@ from client.usage import one_line_errors
 from gradps.channel import open_channel
 from gradps.codec_table import parse_codec
 from gradps.device import device_option
-from gradps.parameter_client import TRANSPORTS
 from gradps.schemes import SCHEMES
+from gradps.transport import TRANSPORTS
 from gradps.v1 import run_pb2, shard_pb2, shard_pb2_grpc
 
 # Per-step fields, in seconds, that a worker reports (see StepBreakdown).

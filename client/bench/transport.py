@@ -37,8 +37,8 @@ from client.unread_options import refuse_unread
 from client.usage import one_line_errors, output_file
 from gradps.device import device_option
 from gradps.netem import LAYOUTS, Layout, parse_links
-from gradps.parameter_client import TRANSPORTS
 from gradps.placement import DEFAULT_PART_SIZE
+from gradps.transport import TRANSPORTS
 
 MiB = 1 << 20
 # By default a round moves at least this many bytes per worker (small sizes repeat in a round).
