@@ -2,7 +2,7 @@
 
     gradps launch --workers 2 --epochs 10 examples/own_training_loop.py
 
-A small CNN with BatchNorm on the digits that ship with scikit-learn, a torch DataLoader and
+A small CNN with BatchNorm on the digits that ship with gradps, a torch DataLoader and
 torch.optim.SGD with momentum: gradps adds init(), DistributedOptimizer(...) and batches(...).
 """
 

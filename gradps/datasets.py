@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from importlib import resources
 
 import numpy as np
 import torch
@@ -18,9 +19,6 @@ import torch.nn.functional as F
 from gradps.import_paths import check_import_allowed, resolve_import_path
 from gradps.tasks import DATASET_TASKS, TASKS
 
-_DIGITS_TEST_FRACTION = 0.2
-# Fixed regardless of the caller's seed: every process must see the same train/test split.
-_DIGITS_SPLIT_SEED = 0
 _IMAGE_CLASSES = 10
 _IMAGE_SHAPE = (3, 32, 32)
 _IMAGE_DEFAULT_SIZES = (2048, 512)
@@ -92,10 +90,11 @@ def builtin_dataset_names() -> list[str]:
 def load_dataset(name: str, size: int = 0, seed: int = 0, allow_import: Collection[str] | None = None) -> Dataset:
     """Load a built-in dataset by name, or a user dataset by `"package.module:function"`.
 
-    Built-ins: `digits` (scikit-learn's bundled 8x8 digits, a fixed stratified 80/20 split; `size`
-    and `seed` are ignored), `synthetic-images` (3x32x32, 10 classes), `synthetic-tokens` (causal LM
-    sequences of 64 tokens) and `synthetic-tokens-varlen` (the same rule, lengths 8..128 from a
-    power law, padded to 128: inputs with PAD_TOKEN, targets with PAD_TARGET). For the synthetic
+    Built-ins: `digits` (scikit-learn's 8x8 digits, shipped in gradps/data: a fixed stratified
+    80/20 split; `size` and `seed` are ignored), `synthetic-images` (3x32x32, 10 classes),
+    `synthetic-tokens` (causal LM sequences of 64 tokens) and `synthetic-tokens-varlen` (the same
+    rule, lengths 8..128 from a power law, padded to 128: inputs with PAD_TOKEN, targets with
+    PAD_TARGET). For the synthetic
     ones `size` > 0 sets the number of training samples (test samples: max(64, size // 4)) and
     `seed` determines every tensor. A user function is called as `function(size, seed)` and must
     return a `Dataset`.
@@ -141,17 +140,12 @@ def _synthetic_sizes(size: int, default: tuple[int, int]) -> tuple[int, int]:
 
 
 def _digits() -> Dataset:
-    # Imported here so that importing this module stays cheap for services that never load digits.
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    # Pixel intensities are integers 0..16.
-    x = (bunch.data / 16.0).astype(np.float32)
-    y = bunch.target.astype(np.int64)
-    train_x, test_x, train_y, test_y = train_test_split(
-        x, y, test_size=_DIGITS_TEST_FRACTION, stratify=y, random_state=_DIGITS_SPLIT_SEED
-    )
+    # scikit-learn's digits, split as scripts/make_digits.py says; read without importing
+    # scikit-learn, which would add seconds to every worker's start.
+    with resources.files("gradps").joinpath("data/digits.npz").open("rb") as file, np.load(file) as split:
+        # Pixel intensities are integers 0..16.
+        train_x, test_x = ((split[k] / 16.0).astype(np.float32) for k in ("train_x", "test_x"))
+        train_y, test_y = split["train_y"], split["test_y"]
     return Dataset(
         name="digits",
         train_x=torch.from_numpy(train_x),

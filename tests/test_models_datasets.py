@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -55,6 +56,20 @@ def test_digits_shapes_and_fixed_stratified_split() -> None:
     assert torch.equal(other.train_x, digits.train_x) and torch.equal(other.test_y, digits.test_y)
     # Cached in-process.
     assert load_dataset("digits") is digits
+
+
+def test_the_shipped_digits_are_scikit_learns_split_bit_for_bit() -> None:
+    """gradps/data/digits.npz holds scikit-learn's digits split 80/20, stratified, seed 0: the
+    dataset equals what train_test_split gives (after a change, `python scripts/make_digits.py`)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x, y = (bunch.data / 16.0).astype(np.float32), bunch.target.astype(np.int64)
+    expected = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
+    digits = load_dataset("digits")
+    for got, want in zip((digits.train_x, digits.test_x, digits.train_y, digits.test_y), expected, strict=True):
+        assert got.dtype == torch.from_numpy(want).dtype and torch.equal(got, torch.from_numpy(want))
 
 
 def test_synthetic_datasets_sizes_and_determinism() -> None:
