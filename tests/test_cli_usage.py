@@ -176,7 +176,7 @@ def test_the_cli_and_the_coordinator_run_without_torch(cluster: LocalCluster) ->
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "[]", done.stdout.splitlines()[-1][:300]
+    assert done.stdout.splitlines()[-1] == "[]", f"the CLI loaded {done.stdout.splitlines()[-1][:300]}"
     assert cluster.coordinator is not None
     maps = Path(f"/proc/{cluster.coordinator.pid}/maps").read_text()
     assert "libtorch" not in maps

@@ -1,7 +1,8 @@
 """Codecs for tensor parts on the wire (see proto/gradps/v1/tensor.proto and docs/compression.md).
 
 The rest of gradps calls `encode_part` on the sending side and `decode_part` or `decode_summand`
-on the receiving side; everything else here is the machinery behind them.
+on the receiving side; everything else here is the machinery behind them. What names a codec
+(its name, parameters, CLI form and checks) is `gradps.codec_table`, which needs no torch.
 """
 
 from __future__ import annotations
