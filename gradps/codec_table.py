@@ -64,7 +64,7 @@ def _by_enum() -> dict[int, CodecEntry]:
     return table
 
 
-# Codec enum value -> entry (CODEC_UNSPECIFIED means CODEC_NONE).
+# Codec enum value -> entry.
 _BY_ENUM: dict[int, CodecEntry] = _by_enum()
 # CodecParams field -> the names of the codecs that take it.
 _TAKEN_BY = {field: [e.name for e in ENTRIES if field in e.params] for field in _ARGUMENTS}
@@ -108,10 +108,15 @@ def check_ratio(ratio: float, codec: str) -> float:
     return ratio
 
 
+def _named(params: tensor_pb2.CodecParams) -> CodecEntry | None:
+    """The entry `params.codec` names (CODEC_UNSPECIFIED means CODEC_NONE); None for no entry."""
+    return _BY_ENUM.get(params.codec or tensor_pb2.CODEC_NONE)
+
+
 def check_codec(params: tensor_pb2.CodecParams) -> CodecEntry:
     """The entry of the codec `params` names; CodecError on an unknown codec or parameters that
     do not belong to it."""
-    entry = _BY_ENUM.get(params.codec or tensor_pb2.CODEC_NONE)
+    entry = _named(params)
     if entry is None:
         raise CodecError(f"unknown codec {params.codec}")
     if "ratio" in entry.params:
@@ -126,7 +131,7 @@ def check_codec(params: tensor_pb2.CodecParams) -> CodecEntry:
 def check_pull_codec(params: tensor_pb2.CodecParams) -> CodecEntry:
     """`check_codec` for a pull (PullRequest.codec, RunSpec.pull_codec): CodecError, its message
     one line that starts with "pull codec", unless `params` is a valid codec that may be pulled."""
-    entry = _BY_ENUM.get(params.codec or tensor_pb2.CODEC_NONE)
+    entry = _named(params)
     if entry is None or not entry.pull:
         raise CodecError(f"pull codec must be {_words(codec_forms(pull=True), 'or')}")
     try:
@@ -137,7 +142,7 @@ def check_pull_codec(params: tensor_pb2.CodecParams) -> CodecEntry:
 
 def codec_family(params: tensor_pb2.CodecParams) -> str:
     """A codec's family name ("topk", not "topk:0.01"), "unknown" for an enum value no entry has."""
-    entry = _BY_ENUM.get(params.codec or tensor_pb2.CODEC_NONE)
+    entry = _named(params)
     return entry.name if entry else "unknown"
 
 

@@ -15,8 +15,9 @@ SCHEDULES = ("constant", "step", "cosine")
 def validate(spec: run_pb2.OptimizerSpec) -> None:
     """Raise ValueError with a one-line, actionable message for a bad optimizer spec.
 
-    Unset (0) beta1, beta2 and eps mean torch's defaults (see `gradps.optimizer.make_optimizer`); every number must
-    be finite: a NaN or infinity would reach the shards' parameters on the first update.
+    Unset (0) beta1, beta2 and eps mean torch's defaults (see `gradps.optimizer.make_optimizer`);
+    every number must be finite: a NaN or infinity would reach the shards' parameters on the first
+    update.
     """
     if spec.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {spec.name!r}; choose one of {', '.join(OPTIMIZERS)}")
