@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from client.fork_server import Service, start_service
+from client.fork_server import prepare as prepare_forks
 from client.sdk import Client, GradpsError
 from gradps.auth import tls
 from gradps.auth.certs import make_certs
@@ -69,7 +71,7 @@ def _usable_certs(folder: Path, names: Sequence[str]) -> bool:
     return set(names) <= served
 
 
-def terminate(processes: list[subprocess.Popen], grace_s: float) -> list[int]:
+def terminate(processes: Sequence[Service], grace_s: float) -> list[int]:
     """SIGTERM `processes`, wait up to `grace_s` for them all, SIGKILL the rest; exit codes."""
     for p in processes:
         if p.poll() is None:
@@ -83,6 +85,37 @@ def terminate(processes: list[subprocess.Popen], grace_s: float) -> list[int]:
             p.kill()
             codes.append(p.wait())
     return codes
+
+
+def _service_env() -> dict[str, str]:
+    """The environment of the cluster's services: this process's, less what would make them another
+    cluster's."""
+    env = dict(os.environ)
+    # One compute thread per process: a small cluster shares few cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("GRADPS_LOG_LEVEL", "WARNING")
+    # The coordinator keeps runs only where this cluster says (--state-dir): never in the
+    # folder of one the user runs elsewhere, which it would lock.
+    env.pop("GRADPS_STATE_DIR", None)
+    # Its own secret and tokens, bind and allow-list: never the user's for another cluster.
+    for key in (
+        "GRADPS_SECRET",
+        "GRADPS_SECRET_FILE",
+        "GRADPS_TOKEN",
+        "GRADPS_TOKEN_FILE",
+        "GRADPS_INSECURE",
+        "GRADPS_BIND",
+        "GRADPS_ALLOW_IMPORT",
+        tls.TLS_CERT_ENV,
+        tls.TLS_KEY_ENV,
+        tls.TLS_CA_ENV,
+        tls.TLS_CLIENT_AUTH_ENV,
+    ):
+        env.pop(key, None)
+    # Likewise metrics: one fixed port set for a single service would collide here.
+    for key in ("GRADPS_METRICS_PORT", "GRADPS_METRICS_HOST", "GRADPS_METRICS_PORT_FILE"):
+        env.pop(key, None)
+    return env
 
 
 class LocalCluster:
@@ -136,7 +169,7 @@ class LocalCluster:
         self.state_dir = Path(state_dir) if state_dir else None
         self.metrics = metrics
         # Each process's metrics address and port file, by process name.
-        self._metrics_ports: dict[str, tuple[str, Path, subprocess.Popen]] = {}
+        self._metrics_ports: dict[str, tuple[str, Path, Service]] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="gradps-")
         # Import paths runs may name (the coordinator's and the workers' --allow-import).
         self.allow_import = tuple(allow_import)
@@ -172,10 +205,10 @@ class LocalCluster:
         self.port = port
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.coordinator: subprocess.Popen | None = None
-        self.shards: list[subprocess.Popen] = []
+        self.coordinator: Service | None = None
+        self.shards: list[Service] = []
         self.shard_ports: list[int] = []
-        self.workers: list[subprocess.Popen] = []
+        self.workers: list[Service] = []
         self._names: dict[int, str] = {}  # by pid: "coordinator", "shard-0", "worker-1"
         self.address = ""
 
@@ -188,41 +221,25 @@ class LocalCluster:
         """Where the processes of `host` listen: its address on the emulated network, or loopback."""
         return self.network.address(host) if self.network else "127.0.0.1"
 
-    def _spawn(self, name: str, module: str, *args: str, host: int = 0) -> subprocess.Popen:
-        env = dict(os.environ)
-        # One compute thread per process: a small cluster shares few cores.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("GRADPS_LOG_LEVEL", "WARNING")
-        # The coordinator keeps runs only where this cluster says (--state-dir): never in the
-        # folder of one the user runs elsewhere, which it would lock.
-        env.pop("GRADPS_STATE_DIR", None)
-        # Its own secret and tokens, bind and allow-list: never the user's for another cluster.
-        for key in (
-            "GRADPS_SECRET",
-            "GRADPS_SECRET_FILE",
-            "GRADPS_TOKEN",
-            "GRADPS_TOKEN_FILE",
-            "GRADPS_INSECURE",
-            "GRADPS_BIND",
-            "GRADPS_ALLOW_IMPORT",
-            tls.TLS_CERT_ENV,
-            tls.TLS_KEY_ENV,
-            tls.TLS_CA_ENV,
-            tls.TLS_CLIENT_AUTH_ENV,
-        ):
-            env.pop(key, None)
-        # Likewise metrics: one fixed port set for a single service would collide here.
-        for key in ("GRADPS_METRICS_PORT", "GRADPS_METRICS_HOST", "GRADPS_METRICS_PORT_FILE"):
-            env.pop(key, None)
+    def _spawn(self, name: str, module: str, *args: str, host: int = 0) -> Service:
+        env = _service_env()
         port_file = Path(self._tmp.name) / f"{name}.metrics-port"
         address = self.host_address(host)  # an emulated host's loopback is its own
         if self.metrics:
             args = (*args, "--metrics-port=0", f"--metrics-host={address}", f"--metrics-port-file={port_file}")
-        log = open(self.log_dir / f"{name}.log", "ab")
-        argv = [sys.executable, "-m", module, *args]
-        if self.network:
-            argv = self.network.command(host, argv)
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log = self.log_dir / f"{name}.log"
+        process: Service
+        if self.network:  # it must start inside its host's network namespace
+            with open(log, "ab") as out:
+                process = subprocess.Popen(
+                    self.network.command(host, [sys.executable, "-m", module, *args]),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+        else:
+            process = start_service(module, args, env, log)
         self._names[process.pid] = name
         if self.metrics:
             self._metrics_ports[name] = (address, port_file, process)
@@ -234,7 +251,7 @@ class LocalCluster:
         the cluster serves metrics."""
         return {name: f"{host}:{self._port(path, p)}" for name, (host, path, p) in self._metrics_ports.items()}
 
-    def _port(self, path: Path, process: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    def _port(self, path: Path, process: Service, timeout_s: float = 60.0) -> int:
         deadline = time.monotonic() + timeout_s
         while not path.exists():
             if process.poll() is not None:
@@ -246,16 +263,16 @@ class LocalCluster:
             time.sleep(0.05)
         return int(path.read_text())
 
-    def _name(self, process: subprocess.Popen) -> str:
+    def _name(self, process: Service) -> str:
         """The local service's name as its log file has it ("shard-0"), for messages."""
         return self._names.get(process.pid, f"process {process.pid}")
 
-    def _log_lines(self, process: subprocess.Popen) -> list[str]:
+    def _log_lines(self, process: Service) -> list[str]:
         """The lines of a local service's log; none before it has one."""
         path = self.log_dir / f"{self._name(process)}.log"
         return path.read_text(errors="replace").splitlines() if path.exists() else []
 
-    def _refusal(self, process: subprocess.Popen) -> str:
+    def _refusal(self, process: Service) -> str:
         """A service's one-line refusal (`Error: ...`, click's), when its log ends with one."""
         lines = self._log_lines(process)
         return f" ({lines[-1]})" if lines and lines[-1].startswith("Error: ") else ""
@@ -263,6 +280,8 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         """Start every process and wait until all shards and workers joined. The shards start side
         by side, then the workers: each process spends seconds importing torch."""
+        if not self.network:
+            prepare_forks(_service_env())  # it imports the services while the coordinator starts
         self.address = self._start_coordinator(self.port)
         self._remember(self.address)
         kept = self._kept_shard_ports()
@@ -311,7 +330,7 @@ class LocalCluster:
             raise RuntimeError("the coordinator is still running")
         self._start_coordinator(int(self.address.rsplit(":", 1)[1]))
 
-    def add_shard(self, i: int, port: int = 0) -> subprocess.Popen:
+    def add_shard(self, i: int, port: int = 0) -> Service:
         """Start shard `i` (on `port`; 0: any free one) and wait until it registered."""
         self._registered(i, self._spawn_shard(i, port))
         return self.shards[i]
@@ -369,7 +388,7 @@ class LocalCluster:
             with contextlib.suppress(OSError):
                 (self.state_dir / _SHARD_PORTS).write_text(json.dumps(self.shard_ports))
 
-    def restart_shard(self, i: int) -> subprocess.Popen:
+    def restart_shard(self, i: int) -> Service:
         """Start shard `i` again after it exited (killed, say), at its address: with a state dir,
         its runs go on from their checkpoints."""
         if self.shards[i].poll() is None:
@@ -407,7 +426,7 @@ class LocalCluster:
             except OSError:  # a read-only home: other commands then need GRADPS_TOKEN_FILE
                 pass
 
-    def add_worker(self, i: int) -> subprocess.Popen:
+    def add_worker(self, i: int) -> Service:
         p = self._spawn(
             f"worker-{i}",
             "gpu_worker.service",
@@ -444,7 +463,7 @@ class LocalCluster:
         self._tmp.cleanup()
         return codes
 
-    def _say_stop_failed(self, process: subprocess.Popen, grace_s: float) -> None:
+    def _say_stop_failed(self, process: Service, grace_s: float) -> None:
         """A warning for a service that did not stop cleanly on SIGTERM, with the end of its log
         (the folder may be a temporary one, removed now)."""
         how = (

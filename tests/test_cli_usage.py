@@ -120,15 +120,18 @@ def test_a_shard_address_for_a_coordinator_is_named(cluster: LocalCluster, clien
     assert f"Error: {shard} is not a gradps coordinator" in result.output, result.output
 
 
-def _children(pid: int) -> list[int]:
-    found = []
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid`: the coordinator beside the fork server, the shards and workers under it."""
+    parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
+    found = [child for child, parent in parents.items() if parent == pid]
+    for child in found:  # grows as it goes: every generation
+        found.extend(c for c, parent in parents.items() if parent == child)
     return found
 
 
@@ -187,8 +190,8 @@ def test_sigterm_stops_the_embedded_cluster(tmp_path: Path) -> None:
     cli_process = _gradps("train", "--local", out=tmp_path)
     try:
         _until(lambda: _metrics_started(tmp_path), 120, "the local run did not start")
-        services = _children(cli_process.pid)
-        assert len(services) >= 5, services  # coordinator, 2 shards, 2 workers
+        services = _descendants(cli_process.pid)
+        assert len(services) >= 6, services  # coordinator, fork server, 2 shards, 2 workers
         cli_process.send_signal(signal.SIGTERM)
         _, stderr = cli_process.communicate(timeout=60)
         assert cli_process.returncode != 0
