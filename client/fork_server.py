@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -196,7 +197,7 @@ class _ForkServer:
 def _await_orphan(child: ForkedService) -> None:
     """Note that a child whose fork server died has exited, once it has (its status is lost: 255)."""
     while _alive(child.pid):
-        threading.Event().wait(0.2)
+        time.sleep(0.2)
     child._exit(255)
 
 

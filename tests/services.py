@@ -8,11 +8,12 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+from client.fork_server import Service, start_service
 
 
 def until(condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
@@ -55,9 +56,9 @@ class Services:
     def __init__(self, tmp: Path, *coordinator_args: str) -> None:
         self.tmp = tmp
         self.coordinator_args = coordinator_args
-        self.coordinator: subprocess.Popen | None = None
+        self.coordinator: Service | None = None
         self.port = 0
-        self.shards: list[subprocess.Popen] = []
+        self.shards: list[Service] = []
         self.shard_args: list[tuple[str, ...]] = []
         self.shard_ports: list[int] = []
 
@@ -65,12 +66,11 @@ class Services:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, name: str, module: str, *args: str) -> Service:
         env = dict(os.environ, OMP_NUM_THREADS="1", GRADPS_LOG_LEVEL="INFO")
-        log = open(self.tmp / f"{name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        return start_service(module, args, env, self.tmp / f"{name}.log")  # as the local cluster does
 
-    def _port_of(self, port_file: Path, process: subprocess.Popen) -> int:
+    def _port_of(self, port_file: Path, process: Service) -> int:
         until(lambda: port_file.exists() or process.poll() is not None, 60, f"{port_file.name} never written")
         assert process.poll() is None, f"a service exited at start-up; see {self.tmp}"
         return int(port_file.read_text())
@@ -101,7 +101,7 @@ class Services:
         self.shard_ports.append(0)
         self.shards.append(self._start_shard(len(self.shards)))
 
-    def _start_shard(self, index: int) -> subprocess.Popen:
+    def _start_shard(self, index: int) -> Service:
         name = f"shard-{index}"
         port_file = self.tmp / f"{name}.port"
         port_file.unlink(missing_ok=True)
