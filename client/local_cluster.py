@@ -25,8 +25,8 @@ from gradps.auth.client_tokens import forget, read_token_file, remember, store_t
 from gradps.auth.tokens import ADMIN, WORKER, ClusterSecret
 from gradps.netem import EmulatedNetwork, Layout
 
-# Each shard and worker is a process with its own torch (~300 MiB): a typo such as --workers 4000
-# must not fork the machine to a halt.
+# Each shard and worker is a process (forked with torch loaded: ~40 MiB of its own at start, far
+# more once it trains): a typo such as --workers 4000 must not fork the machine to a halt.
 MAX_PROCESSES = 256
 # In the state dir: the shards' ports, for the next cluster on it.
 _SHARD_PORTS = "shard-ports.json"
