@@ -8,9 +8,8 @@ its own, with its own environment, working folder, arguments and log, running it
 `ForkedService` it can poll, wait for and signal as it would a `subprocess.Popen`.
 
 What an interpreter reads once, when it starts (PYTHON*, LD_*, the thread pools' variables), is
-the server's: a service whose environment differs in them gets a server of its own. Forking needs
-this client's and the services' interpreter; `start_service` falls back to `subprocess.Popen`
-where the server cannot start.
+the server's: a service whose environment differs in them gets a server of its own. Where a server
+cannot start, dies or does not answer, `start_service` starts the service as a process of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +31,8 @@ from typing import Any, Protocol
 FORKED_MODULES = ("ps_server.shard", "gpu_worker.service")
 # Read when the interpreter, torch or a thread pool starts: a server serves one set of them.
 _START_UP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA")
+# How long a fork may take, the server's imports included (seconds on a loaded machine).
+_FORK_TIMEOUT_S = 60.0
 
 
 class Service(Protocol):
@@ -136,7 +137,7 @@ class _ForkServer:
     def __init__(self, start_up_env: dict[str, str]) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_START_UP_PREFIXES)} | start_up_env
         self._lock = threading.Lock()  # one request at a time: replies come in order
-        self._started: list[ForkedService | None] = []
+        self._started: list[ForkedService] = []
         self._started_ready = threading.Condition()
         self._children: dict[int, ForkedService] = {}
         self.gone = False
@@ -169,7 +170,9 @@ class _ForkServer:
                 self.gone = True
                 return None
             with self._started_ready:
-                self._started_ready.wait_for(lambda: self._started or self.gone)
+                if not self._started_ready.wait_for(lambda: self._started or self.gone, _FORK_TIMEOUT_S):
+                    self._process.kill()  # stuck (in an import?): no later request waits on it
+                    self.gone = True
                 return self._started.pop(0) if self._started else None
 
     def _read(self) -> None:
