@@ -68,7 +68,7 @@ def start_service(module: str, args: Sequence[str], env: Mapping[str, str], log:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
 
 
-def prepare(env: Mapping[str, str]) -> None:
+def warm_up(env: Mapping[str, str]) -> None:
     """Start the fork server for services with `env` now (it takes seconds to import them)."""
     _server_for(env)
 

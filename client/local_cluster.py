@@ -16,8 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from client.fork_server import Service, start_service
-from client.fork_server import prepare as prepare_forks
+from client.fork_server import Service, start_service, warm_up
 from client.sdk import Client, GradpsError
 from gradps.auth import tls
 from gradps.auth.certs import make_certs
@@ -281,7 +280,7 @@ class LocalCluster:
         """Start every process and wait until all shards and workers joined. The shards start side
         by side, then the workers: each process spends seconds importing torch."""
         if not self.network:
-            prepare_forks(_service_env())  # it imports the services while the coordinator starts
+            warm_up(_service_env())  # the fork server imports the services while the coordinator starts
         self.address = self._start_coordinator(self.port)
         self._remember(self.address)
         kept = self._kept_shard_ports()
