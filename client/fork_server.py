@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,18 +55,32 @@ class Service(Protocol):
     def kill(self) -> None: ...
 
 
-def start_service(module: str, args: Sequence[str], env: Mapping[str, str], log: Path) -> Service:
+def start_service(
+    module: str,
+    args: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    within: Callable[[list[str]], list[str]] | None = None,
+) -> Service:
     """Start `python -m module args` with `env`, in a session of its own, appending its output to
-    `log`: forked from a fork server where `module` is one of `FORKED_MODULES`, else a new process."""
-    if module in FORKED_MODULES:
+    `log`: forked from a fork server where `module` is one of `FORKED_MODULES`, else a new process.
+    `within` wraps the command line to run it elsewhere (an emulated host's network namespace):
+    such a service always starts as a process, which the wrapper execs where it belongs."""
+    if module in FORKED_MODULES and within is None:
         log.touch()  # there once it started, as with a process's; an unwritable folder fails here
         for _ in range(2):  # a server found gone is started again, once
             forked = _server_for(env).fork(module, args, env, log)
             if forked is not None:
                 return forked
+    argv = [sys.executable, "-m", module, *args]
     with open(log, "ab") as out:
-        argv = [sys.executable, "-m", module, *args]
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+        return subprocess.Popen(
+            within(argv) if within else argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+        )
 
 
 def warm_up(env: Mapping[str, str]) -> None:
@@ -141,6 +155,7 @@ class _ForkServer:
         self._started: list[ForkedService] = []
         self._started_ready = threading.Condition()
         self._children: dict[int, ForkedService] = {}
+        self._argv: list[str] = []
         self.gone = False
         try:
             self._process = subprocess.Popen(
@@ -164,6 +179,7 @@ class _ForkServer:
             if self.gone:
                 return None
             assert self._process.stdin is not None
+            self._argv = [sys.executable, "-m", module, *args]  # the child's, once its pid comes
             try:
                 self._process.stdin.write(json.dumps(request).encode() + b"\n")
                 self._process.stdin.flush()
@@ -181,7 +197,7 @@ class _ForkServer:
         for line in self._process.stdout:
             reply = json.loads(line)
             if "pid" in reply:
-                child = ForkedService(reply["pid"], [sys.executable, "-m", reply["module"], *reply["args"]])
+                child = ForkedService(reply["pid"], self._argv)
                 self._children[child.pid] = child
                 with self._started_ready:
                     self._started.append(child)
@@ -260,7 +276,7 @@ def _serve() -> dict[str, Any]:
             os.close(session_w)
             os.read(session_r, 1)  # end of file: the child closed its end
             os.close(session_r)
-            _write({"pid": pid, "module": request["module"], "args": request["args"]})
+            _write({"pid": pid})
 
 
 def _report_exits() -> None:

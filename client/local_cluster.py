@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
 import secrets
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -226,19 +226,9 @@ class LocalCluster:
         address = self.host_address(host)  # an emulated host's loopback is its own
         if self.metrics:
             args = (*args, "--metrics-port=0", f"--metrics-host={address}", f"--metrics-port-file={port_file}")
-        log = self.log_dir / f"{name}.log"
-        process: Service
-        if self.network:  # it must start inside its host's network namespace
-            with open(log, "ab") as out:
-                process = subprocess.Popen(
-                    self.network.command(host, [sys.executable, "-m", module, *args]),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-        else:
-            process = start_service(module, args, env, log)
+        # On an emulated network it must start inside its host's namespace.
+        within = functools.partial(self.network.command, host) if self.network else None
+        process = start_service(module, args, env, self.log_dir / f"{name}.log", within)
         self._names[process.pid] = name
         if self.metrics:
             self._metrics_ports[name] = (address, port_file, process)
