@@ -149,7 +149,7 @@ def follow(
             raise
         finally:
             if board is not None:
-                board.close()
+                board.close(run.latest)
     summary = summarize(run, shards)
     summary["accuracy_curve"] = accuracy_curve(evaluations, run.latest)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -157,11 +157,10 @@ def follow(
 
 
 def accuracy_curve(evaluations: Sequence[cpb.Metrics], latest: Sequence[cpb.Metrics]) -> list[dict[str, Any]]:
-    """The run's test accuracy as it trained: rank 0's evaluations on the way (the only rank that
-    evaluates before its end; one clock), then the final model's (`run_figures.final_report`), once:
-    each rank's done report evaluates a model, on its own clock, and under asgd and ssp not
-    always the final one."""
-    points = [m for m in evaluations if m.rank == 0 and not m.done]
+    """The run's test accuracy as it trained: its evaluations on the way, then the final model's,
+    once (`run_figures.evaluated_on_the_way`, `run_figures.final_report`): each rank's done report
+    evaluates a model, on its own clock, and under asgd and ssp not always the final one."""
+    points = [m for m in evaluations if run_figures.evaluated_on_the_way(m)]
     if (final := run_figures.final_report(latest)) is not None:
         points.append(final)
     return [{"elapsed_s": m.elapsed_s, "step": m.step, "test_accuracy": m.test_accuracy} for m in points]

@@ -1,13 +1,14 @@
 """A run's curves as TensorBoard event files: `gradps train --tensorboard DIR` (and `compare`).
 
-One TensorBoard run per gradps run (DIR/<name>): the run's loss, test accuracy (rank 0's
-evaluations, then the final model's, as `client.report.accuracy_curve`), samples/s (in
+One TensorBoard run per gradps run (DIR/<name>): the run's loss, test accuracy (its accuracy
+curve, as `client.report.accuracy_curve`: evaluations on the way, then the final model's), samples/s (in
 all and by rank, where a straggler shows), mean staleness of its pushes and the fraction of time
 its workers waited, each at the step the workers had reached on average (gradps.run_figures).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from gradps import run_figures
@@ -28,11 +29,8 @@ class RunBoard:
         step = round(run_figures.mean_step(latest))
         scalar = self._writer.add_scalar
         scalar("loss", run_figures.mean_loss(latest), step)
-        # Evaluated at this report (-1: not evaluated): rank 0's on the way, and at the end the final
-        # model's (under asgd and ssp a rank that finished early evaluated a snapshot).
-        if metrics.test_accuracy >= 0 and (metrics.final_model if metrics.done else metrics.rank == 0):
-            scalar("test_accuracy", metrics.test_accuracy, metrics.step)
-            scalar("test_loss", metrics.test_loss, metrics.step)
+        if run_figures.evaluated_on_the_way(metrics):
+            self._evaluation(metrics)
         if rates := run_figures.rates_by_rank(latest):
             scalar("samples_per_second", sum(rates.values()), step)
             self._writer.add_scalars("samples_per_second_by_rank", {f"rank{r}": v for r, v in rates.items()}, step)
@@ -41,5 +39,13 @@ class RunBoard:
         if (waited := run_figures.wait_fraction(latest)) is not None:
             scalar("wait_fraction", waited, step)
 
-    def close(self) -> None:
+    def _evaluation(self, metrics: cpb.Metrics) -> None:
+        self._writer.add_scalar("test_accuracy", metrics.test_accuracy, metrics.step)
+        self._writer.add_scalar("test_loss", metrics.test_loss, metrics.step)
+
+    def close(self, latest: Sequence[cpb.Metrics]) -> None:
+        """Write the final model's evaluation from the run's last reports (none if it has none yet:
+        the run was interrupted), and close."""
+        if (final := run_figures.final_report(latest)) is not None:
+            self._evaluation(final)
         self._writer.close()

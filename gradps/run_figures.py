@@ -46,6 +46,12 @@ def mean_loss(latest: Sequence[cpb.Metrics]) -> float | None:
     return sum(m.loss for m in latest) / len(latest) if latest else None
 
 
+def evaluated_on_the_way(report: cpb.Metrics) -> bool:
+    """Whether `report` is a point of the run's accuracy curve before its end: rank 0's evaluations
+    (the only rank that evaluates before its end: one clock). `final_report` gives its last point."""
+    return report.rank == 0 and not report.done and report.test_accuracy >= 0
+
+
 def final_report(latest: Sequence[cpb.Metrics]) -> cpb.Metrics | None:
     """The done report whose test accuracy is the run's final one: one that evaluated the model
     the run ends with and exports (Metrics.final_model; under asgd and ssp a worker that finished

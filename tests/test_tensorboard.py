@@ -34,20 +34,19 @@ def test_a_local_run_writes_its_curves_for_tensorboard(tmp_path: Path) -> None:
     tags = set(events.Tags()["scalars"])
     assert {"loss", "test_accuracy", "test_loss", "samples_per_second", "staleness", "wait_fraction"} <= tags
 
-    # Test accuracy: a point per evaluation of the run's model, at its step, with its value: rank
-    # 0's on the way, then each done report's that evaluated the final model (asgd: a rank that
-    # finished before the other's last push evaluated a snapshot, left out).
-    evaluated = sorted(
+    # Test accuracy: the run's accuracy curve, as the summary has it: rank 0's evaluations on the
+    # way, each at its step with its value, then the final model's once (asgd: a rank that finished
+    # before the other's last push evaluated a snapshot, left out).
+    on_the_way = sorted(
         (r["step"], r["test_accuracy"])
         for r in rows
-        if r["test_accuracy"] is not None and (r["final_model"] if r["done"] else r["rank"] == 0)
+        if r["rank"] == 0 and not r["done"] and r["test_accuracy"] is not None
     )
+    curve = [(p["step"], p["test_accuracy"]) for p in summary["accuracy_curve"]]
+    assert curve[:-1] == on_the_way and curve[-1][1] == summary["final_test_accuracy"]
     points = sorted((e.step, e.value) for e in events.Scalars("test_accuracy"))
-    assert [s for s, _ in points] == [s for s, _ in evaluated]
-    assert [v for _, v in points] == pytest.approx([v for _, v in evaluated], rel=1e-6)
-    # The last point is the summary's final accuracy, and so is the summary's curve's.
-    assert points[-1][1] == pytest.approx(summary["final_test_accuracy"], rel=1e-6), (points, summary)
-    assert summary["accuracy_curve"][-1]["test_accuracy"] == summary["final_test_accuracy"]
+    assert [s for s, _ in points] == [s for s, _ in curve]
+    assert [v for _, v in points] == pytest.approx([v for _, v in curve], rel=1e-6)
     # Loss and throughput follow the run to its last step; samples/s are positive, wait a fraction.
     assert max(e.step for e in events.Scalars("loss")) == summary["steps"]
     assert all(e.value > 0 for e in events.Scalars("samples_per_second"))
