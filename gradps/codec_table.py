@@ -7,9 +7,8 @@ No torch here: the coordinator and the CLI check a spec's codecs with this table
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
-
-import numpy as np
 
 from gradps.v1 import tensor_pb2
 
@@ -98,7 +97,17 @@ _SYNTAX = codec_syntax()
 
 def ratio_text(ratio: float) -> str:
     """The shortest decimal that reads back as the same float32: 0.1, not 0.10000000149."""
-    return str(np.float32(ratio))
+    value = _float32(ratio)
+    for digits in range(1, 10):  # 9 significant digits always read back as the same float32
+        text = f"{value:.{digits}g}"
+        if _float32(float(text)) == value:
+            break
+    return repr(float(text))  # as Python writes floats: 1.0, 0.01, 1e-05
+
+
+def _float32(x: float) -> float:
+    """`x` rounded to float32, as the ratio travels (CodecParams.ratio)."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 def check_ratio(ratio: float, codec: str) -> float:
@@ -170,7 +179,7 @@ def _parse_ratio(text: str, name: str, sep: str, arg: str) -> float:
     except ValueError:
         raise ValueError(f"codec {text!r}: ratio {arg!r} is not a number") from None
     # The ratio travels as float32: also reject what float32 rounds to 0.
-    if not (0.0 < ratio <= 1.0 and np.float32(ratio) > 0):
+    if not (0.0 < ratio <= 1.0 and _float32(ratio) > 0):
         raise ValueError(f"codec {text!r}: ratio must be in (0, 1]")
     return ratio
 

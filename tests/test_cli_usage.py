@@ -168,18 +168,23 @@ def _metrics_started(out: Path) -> bool:
 def test_the_cli_and_the_coordinator_run_without_torch(cluster: LocalCluster) -> None:
     """Only what computes loads torch (shards, workers, compare's DDP baseline, the benches when
     they run, export): every command's help and the commands that talk to the coordinator start
-    without it, and so does the coordinator."""
+    without it, and so does the coordinator. A command other than a bench loads neither the
+    benches nor numpy."""
     code = (
         "import sys\n"
+        "from client.bench import BENCHES\n"
         "from client.cli import cli\n"
         f"cli(['runs', '--coordinator', {cluster.address!r}], standalone_mode=False)\n"
-        "for name in [*cli.commands, 'bench transport', 'bench step', 'bench memory', 'bench adam']:\n"
+        "print('runs:', sorted(m for m in sys.modules if m.startswith(('numpy', 'client.bench.'))))\n"
+        "for name in [*cli.commands, *(f'bench {b}' for b in BENCHES)]:\n"
         "    cli([*name.split(), '--help'], standalone_mode=False)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+        "print('all:', sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "[]", f"the CLI loaded {done.stdout.splitlines()[-1][:300]}"
+    loaded = dict(line.split(": ", 1) for line in done.stdout.splitlines() if line.startswith(("runs: ", "all: ")))
+    assert loaded["runs"] == "[]", f"`gradps runs` loaded {loaded['runs'][:300]}"
+    assert loaded["all"] == "[]", f"the CLI loaded {loaded['all'][:300]}"
     assert cluster.coordinator is not None
     maps = Path(f"/proc/{cluster.coordinator.pid}/maps").read_text()
     assert "libtorch" not in maps

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradps.codec_table import format_codec, parse_codec
+from gradps.codec_table import format_codec, parse_codec, ratio_text
 from gradps.codecs import (
     Codec,
     CodecError,
@@ -197,6 +197,19 @@ def test_topk_of_a_large_part_matches_a_full_sort(make: Callable[[torch.Generato
     assert torch.equal(sent, values[indices])
     largest = values.abs().sort(descending=True).values[:3000]
     assert torch.equal(sent.abs().sort(descending=True).values, largest)
+
+
+@given(st.floats(2.0**-149, 1.0, width=32))
+def test_a_ratio_is_written_as_the_shortest_decimal_of_its_float32(ratio: float) -> None:
+    text = ratio_text(ratio)
+    assert np.float32(text) == np.float32(ratio)
+    # As few significant digits as numpy's shortest form of the float32 (Dragon4).
+    shortest = np.format_float_scientific(np.float32(ratio), unique=True)
+    assert _significant_digits(text) == _significant_digits(shortest), (text, shortest)
+
+
+def _significant_digits(text: str) -> int:
+    return len(text.lower().split("e")[0].replace(".", "").strip("0"))
 
 
 @pytest.mark.parametrize(("ratio", "count", "k"), [(0.1, 100, 10), (0.01, 1000, 10), (0.3, 10, 3), (1e-6, 50, 1)])
