@@ -113,7 +113,7 @@ def spare_workers():
 @pytest.mark.parametrize("scheme", _KILL_SCHEMES)
 def test_sigkill_of_a_worker_does_not_hang_the_run(spare_workers, scheme, tmp_path):
     with Client(spare_workers.address) as client:
-        run_id = client.submit(_spec(scheme, steps=600))
+        run_id = client.submit(_spec(scheme, steps=300))
         victim = None
         deadline = time.monotonic() + 60
         while victim is None:
@@ -128,7 +128,7 @@ def test_sigkill_of_a_worker_does_not_hang_the_run(spare_workers, scheme, tmp_pa
         summary = follow(client, run_id, tmp_path, show_progress=False)
     assert summary["state"] == "completed", summary
     assert summary["dead_workers"] == [worker_id]
-    assert summary["steps"] == 600
+    assert summary["steps"] == 300
 
 
 def test_a_worker_declared_dead_but_still_running_does_not_fail_the_run(spare_workers, tmp_path):
