@@ -30,6 +30,9 @@ from typing import Any, Protocol
 
 # The services a fork server imports and forks.
 FORKED_MODULES = ("ps_server.shard", "gpu_worker.service")
+# What the services import at their first run, imported by the server too: torch.optim loads
+# torch._dynamo (sympy with it) at an optimizer's first step, 2 s of a run's start.
+_FIRST_RUN_MODULES = ("torch._dynamo",)
 # Read when the interpreter, torch or a thread pool starts: a server serves one set of them.
 _START_UP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA")
 # How long a fork may take, the server's imports included (seconds on a loaded machine).
@@ -235,7 +238,7 @@ def _alive(pid: int) -> bool:
 def _serve() -> dict[str, Any]:
     """Import the services, then fork a child for each request read on stdin, reporting its pid
     and, once it exits, its exit status on stdout; return the request in each child."""
-    for module in FORKED_MODULES:
+    for module in (*FORKED_MODULES, *_FIRST_RUN_MODULES):
         importlib.import_module(module)
     # What the imports made lives as long as any child: kept out of the collector's reach, a
     # child's collections (the one at its exit too) walk only what it made itself, and leave the
