@@ -1,9 +1,10 @@
 """A run's curves as TensorBoard event files: `gradps train --tensorboard DIR` (and `compare`).
 
 One TensorBoard run per gradps run (DIR/<name>): the run's loss, test accuracy (its accuracy
-curve, as `client.report.accuracy_curve`: evaluations on the way, then the final model's), samples/s (in
-all and by rank, where a straggler shows), mean staleness of its pushes and the fraction of time
-its workers waited, each at the step the workers had reached on average (gradps.run_figures).
+curve, as `client.report.accuracy_curve`: evaluations on the way, then the final model's),
+samples/s (in all and by rank, where a straggler shows), mean staleness of its pushes and the
+fraction of time its workers waited, each at the step the workers had reached on average
+(gradps.run_figures).
 """
 
 from __future__ import annotations
