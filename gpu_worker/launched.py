@@ -25,11 +25,12 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
 import grpc
@@ -102,15 +103,34 @@ def init() -> None:
     _wait_for(ready_file(folder), launcher)  # the local cluster starts while the scripts do
     if rank > 0:  # join in rank order: the run's rank k (by worker id) is then this launch's rank k
         _wait_for(joined_file(folder, rank - 1), launcher)
+    # The launcher's stop (SIGTERM) waits until the script can leave again: joined, it has to.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        session = WorkerSession(coordinator, name=f"launch-rank-{rank}")
-    except ConnectionError as e:
-        raise LaunchError(str(e)) from None
-    joined_file(folder, rank).touch()
-    _launch = _Launch(coordinator, rank, world, folder, os.environ.get(TRANSPORT_ENV, "shm"), session, launcher)
-    atexit.register(_leave)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the launcher's stop: leave the cluster
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        try:
+            session = WorkerSession(coordinator, name=f"launch-rank-{rank}")
+        except ConnectionError as e:
+            raise LaunchError(str(e)) from None
+        joined_file(folder, rank).touch()
+        _launch = _Launch(coordinator, rank, world, folder, os.environ.get(TRANSPORT_ENV, "shm"), session, launcher)
+        atexit.register(_leave)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the launcher's stop: leave the cluster
+            signal.signal(signal.SIGTERM, _stop)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (the launcher's stop): exit, which leaves the cluster (atexit)."""
+    _exiting()
+    sys.exit(128 + signum)
+
+
+def _exiting() -> None:
+    """The script is on its way out: a SIGTERM now (the launcher stops the scripts once their run
+    ended) must not cut short its leaving the cluster, or the coordinator counts it alive until its
+    heartbeat times out. The launcher's SIGKILL after its grace still bounds the exit."""
+    if signal.getsignal(signal.SIGTERM) is _stop and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def rank() -> int:
@@ -378,6 +398,7 @@ def _leave() -> None:
     launch = _launch
     if launch is None:
         return
+    _exiting()
     optimizer, trainer = launch.optimizer, launch.optimizer.trainer if launch.optimizer else None
     if optimizer is not None and trainer is not None:
         optimizer._fail(f"rank {launch.rank}'s script ended at step {trainer.steps_done} of {trainer.total_steps}")
@@ -390,6 +411,7 @@ def _one_line_errors() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        _exiting()
         if _launch is not None and _launch.optimizer is not None:
             _launch.optimizer._fail(" ".join(f"rank {_launch.rank}: {kind.__name__}: {error}".split()))
         if issubclass(kind, LaunchError | RunAbandoned):

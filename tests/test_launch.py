@@ -176,6 +176,53 @@ def test_sigterm_stops_the_run_and_every_script(cluster, tmp_path):
             launcher.wait()
 
 
+def test_a_sigterm_while_a_script_leaves_does_not_cut_its_leaving_short(cluster, tmp_path):
+    # The launcher's stop (SIGTERM) can reach a script that is exiting already (its run ended):
+    # it must still leave the cluster then, not stay "alive" there until its heartbeat times out.
+    # Its leaving is made slow here, as a busy coordinator makes it, so that the signal lands in it.
+    script = tmp_path / "slow_leave.py"
+    script.write_text(
+        "import os, pathlib, time, torch, gradps\nfrom gradps.worker_session import WorkerSession\n\n"
+        "close = WorkerSession.close\n\n"
+        "def slow_close(session):\n"
+        "    pathlib.Path(f'leaving-{gradps.rank()}').write_text(str(os.getpid()))  # in the launch's folder\n"
+        "    time.sleep(2)\n"
+        "    close(session)\n\n"
+        "WorkerSession.close = slow_close\n"
+        "gradps.init()\nmodel = torch.nn.Linear(4, 2)\n"
+        "opt = gradps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)\n"
+        "for _ in range(3):\n"
+        "    model(torch.randn(8, 4)).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+    )
+    launcher = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "client.cli", "launch", "--coordinator", cluster.address, "--workers", "2"),
+            *("--steps", "1000000", "--scheme", "asgd", "--no-progress", "--out", str(tmp_path / "run"), str(script)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        markers = [tmp_path / f"leaving-{rank}" for rank in range(2)]
+        deadline = time.monotonic() + 120
+        while not all(m.exists() and m.read_text() for m in markers):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.05)
+        for m in markers:
+            os.kill(int(m.read_text()), signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 1 and "script ended at step 3" in err, err
+        with Client(cluster.address) as client:
+            assert not any(w.alive for w in client.cluster().workers)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
 def test_init_outside_a_launch_is_one_line():
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPS_")}
     r = subprocess.run(
