@@ -92,9 +92,13 @@ def test_ssp_with_zero_staleness_waits_like_sync(cluster, client, tmp_path):
     "params", [{"staleness_lr": True}, {"dc_lambda": 0.04}, {"dc_lambda": 0.04, "dc_adaptive": True}]
 )
 def test_asgd_options_train(cluster, client, tmp_path, params):
-    run_id = client.submit(_spec("asgd", epochs=6, params=params))
+    # A cosine schedule, as one trains: at a constant lr of 0.2 the last stale pushes leave the
+    # final model anywhere in 0.78-0.95 (measured under load); decayed, in 0.89-0.91.
+    spec = _spec("asgd", epochs=6, params=params)
+    spec.optimizer.schedule = "cosine"
+    run_id = client.submit(spec)
     summary = follow(client, run_id, tmp_path, show_progress=False)
-    assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.8, summary
+    assert summary["state"] == "completed" and summary["final_test_accuracy"] > 0.85, summary
     # The final accuracy is the exported model's: the worker that pulled after every last push
     # says so (a rank that finished first evaluated a snapshot, up to 0.15 lower measured).
     assert [m.final_model for m in client.run(run_id).run.latest].count(True) >= 1
