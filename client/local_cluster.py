@@ -71,18 +71,24 @@ def _usable_certs(folder: Path, names: Sequence[str]) -> bool:
 
 
 def terminate(processes: Sequence[Service], grace_s: float) -> list[int]:
-    """SIGTERM `processes`, wait up to `grace_s` for them all, SIGKILL the rest; exit codes."""
+    """SIGTERM `processes`, wait up to `grace_s` for them all, SIGKILL the rest; exit codes.
+    Interrupted while it waits (a second Ctrl-C), it SIGKILLs them all at once."""
     for p in processes:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     codes = []
-    for p in processes:
-        try:
-            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
+    try:
+        for p in processes:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+    except BaseException:
+        for p in processes:
             p.kill()
-            codes.append(p.wait())
+        raise
     return codes
 
 
@@ -438,19 +444,32 @@ class LocalCluster:
         checkpoint could keep). The coordinator goes last: it hears each worker leave, so a
         stopped cluster leaves no run recorded as running with workers that are gone, which the
         next cluster on the same state dir would take up on its own. A service that was running
-        and does not exit 0 is warned about (logger `gradps.local_cluster`), with its log's end."""
+        and does not exit 0 is warned about (logger `gradps.local_cluster`), with its log's end.
+        Interrupted while it waits (a second Ctrl-C), it SIGKILLs every service at once: none is
+        left running on its own."""
         groups = [self.shards, self.workers, [self.coordinator] if self.coordinator else []]
         running = {p.pid for group in groups for p in group if p.poll() is None}
-        codes = [code for group in groups for code in terminate(group, grace_s)]
+        try:
+            codes = [code for group in groups for code in terminate(group, grace_s)]
+        except BaseException:
+            for p in (p for group in groups for p in group):
+                p.kill()
+            self._release()
+            raise
         for p in (p for group in groups for p in group if p.pid in running and p.returncode != 0):
             self._say_stop_failed(p, grace_s)
+        self._release()
+        return codes
+
+    def _release(self) -> None:
+        """Drop what this client keeps for the cluster: its tokens and certificates by address, and its
+        temporary folder."""
         for address in self._remembered:
             forget(address)
             tls.forget(address)
             unstore_token(address)
         self._remembered.clear()
         self._tmp.cleanup()
-        return codes
 
     def _say_stop_failed(self, process: Service, grace_s: float) -> None:
         """A warning for a service that did not stop cleanly on SIGTERM, with the end of its log

@@ -191,13 +191,19 @@ def test_the_cli_and_the_coordinator_run_without_torch(cluster: LocalCluster) ->
     assert "libtorch" in Path(f"/proc/{cluster.shards[0].pid}/maps").read_text()  # the check can see it
 
 
-def test_sigterm_stops_the_embedded_cluster(tmp_path: Path) -> None:
+@pytest.mark.parametrize("again", [False, True], ids=["once", "again-while-it-stops"])
+def test_sigterm_stops_the_embedded_cluster(tmp_path: Path, again: bool) -> None:
     cli_process = _gradps("train", "--local", out=tmp_path)
     try:
         _until(lambda: _metrics_started(tmp_path), 120, "the local run did not start")
         services = _descendants(cli_process.pid)
         assert len(services) >= 6, services  # coordinator, fork server, 2 shards, 2 workers
         cli_process.send_signal(signal.SIGTERM)
+        if again:  # as a second Ctrl-C: once the first service (a shard) is gone, the cluster is stopping
+            deadline = time.monotonic() + 30
+            while all(_alive(pid) for pid in services) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cli_process.send_signal(signal.SIGTERM)
         _, stderr = cli_process.communicate(timeout=60)
         assert cli_process.returncode != 0
         assert "Traceback" not in stderr, stderr[-2000:]
