@@ -31,6 +31,7 @@ from google.protobuf.json_format import MessageToJson, Parse
 from rich.console import Console
 
 from client.sdk import GradpsError
+from client.stopping import terminate
 from gradps.datasets import Dataset, ShardSampler, load_dataset
 from gradps.evaluation import compute_loss, evaluate
 from gradps.models import build_model
@@ -86,10 +87,7 @@ def run_ddp(
         try:
             _wait(procs, log_dir)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-                    proc.wait()
+            terminate(procs, grace_s=5.0)
     del store
     ranks = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
     summary = summarize(spec, ranks, backend_for(device, world), device)

@@ -23,9 +23,10 @@ from typing import IO, Any
 
 import click
 
-from client.local_cluster import LocalCluster, terminate
+from client.local_cluster import LocalCluster
 from client.report import follow, print_summary
 from client.sdk import Client, GradpsError
+from client.stopping import terminate
 from client.unread_options import LOCAL_OPTIONS, refuse_unread, unread_run_options
 from client.usage import make_dir, one_line_errors
 from gradps.auth import tls

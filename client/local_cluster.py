@@ -10,7 +10,6 @@ import logging
 import os
 import secrets
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from client.fork_server import Service, start_service, warm_up
 from client.sdk import Client, GradpsError
+from client.stopping import terminate
 from gradps.auth import tls
 from gradps.auth.certs import make_certs
 from gradps.auth.client_tokens import forget, read_token_file, remember, store_token, unstore_token, write_private_file
@@ -68,28 +68,6 @@ def _usable_certs(folder: Path, names: Sequence[str]) -> bool:
         return False
     served = {str(a) for a in alt.get_values_for_type(x509.IPAddress)} | set(alt.get_values_for_type(x509.DNSName))
     return set(names) <= served
-
-
-def terminate(processes: Sequence[Service], grace_s: float) -> list[int]:
-    """SIGTERM `processes`, wait up to `grace_s` for them all, SIGKILL the rest; exit codes.
-    Interrupted while it waits (a second Ctrl-C), it SIGKILLs them all at once."""
-    for p in processes:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    codes = []
-    try:
-        for p in processes:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes.append(p.wait())
-    except BaseException:
-        for p in processes:
-            p.kill()
-        raise
-    return codes
 
 
 def _service_env() -> dict[str, str]:
