@@ -4,8 +4,9 @@ Each shard and worker used to be a fresh interpreter that spent seconds of CPU i
 its service before it could register. The fork server is one process (`python -m
 client.fork_server`) that imports them once; each service is then a fork of it, in a session of
 its own, with its own environment, working folder, arguments and log, running its service's
-`main` as `python -m` would. The server reports each child's exit status, so the client holds a
-`ForkedService` it can poll, wait for and signal as it would a `subprocess.Popen`.
+`main` as `python -m` would, and named as that command (`ps`, `pgrep -f` see it so). The server
+reports each child's exit status, so the client holds a `ForkedService` it can poll, wait for and
+signal as it would a `subprocess.Popen`.
 
 What an interpreter reads once, when it starts (PYTHON*, LD_*, the thread pools' variables), is
 the server's: a service whose environment differs in them gets a server of its own. Where a server
@@ -27,6 +28,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import setproctitle
 
 # The services a fork server imports and forks.
 FORKED_MODULES = ("ps_server.shard", "gpu_worker.service")
@@ -58,6 +61,11 @@ class Service(Protocol):
     def kill(self) -> None: ...
 
 
+def command_line(module: str, args: Sequence[str]) -> list[str]:
+    """The command that starts service `module` with `args` as a process of its own."""
+    return [sys.executable, "-m", module, *args]
+
+
 def start_service(
     module: str,
     args: Sequence[str],
@@ -75,7 +83,7 @@ def start_service(
             forked = _server_for(env).fork(module, args, env, log)
             if forked is not None:
                 return forked
-    argv = [sys.executable, "-m", module, *args]
+    argv = command_line(module, args)
     with open(log, "ab") as out:
         return subprocess.Popen(
             within(argv) if within else argv,
@@ -182,7 +190,7 @@ class _ForkServer:
             if self.gone:
                 return None
             assert self._process.stdin is not None
-            self._argv = [sys.executable, "-m", module, *args]  # the child's, once its pid comes
+            self._argv = command_line(module, args)  # the child's, once its pid comes
             try:
                 self._process.stdin.write(json.dumps(request).encode() + b"\n")
                 self._process.stdin.flush()
@@ -301,6 +309,8 @@ def _write(reply: dict[str, Any]) -> None:
 
 def _run(request: dict[str, Any]) -> None:
     """In a child: become the service `python -m module args` would start, then run it."""
+    # Named first: the title takes the space of the server's environment, which is replaced below.
+    setproctitle.setproctitle(" ".join(command_line(request["module"], request["args"])))
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

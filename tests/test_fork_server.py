@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_a_forked_service_has_its_own_arguments_environment_folder_and_log(tmp_p
     assert shard.wait(timeout=30) == -signal.SIGKILL
 
 
-def test_a_forked_service_leads_its_own_session_and_its_death_is_reported(tmp_path) -> None:
+def test_a_forked_service_leads_its_own_session_is_named_as_its_command_and_its_death_is_reported(tmp_path) -> None:
     worker = start_service("gpu_worker.service", [_NOWHERE], _env(), tmp_path / "worker.log")
     try:
         assert os.getsid(worker.pid) == worker.pid  # a Ctrl-C at the client's terminal misses it
@@ -57,6 +58,9 @@ def test_a_forked_service_leads_its_own_session_and_its_death_is_reported(tmp_pa
         while "retrying" not in log.read_text():  # up, and listening for signals
             with pytest.raises(subprocess.TimeoutExpired):
                 worker.wait(timeout=0.2)
+        # ps and pgrep -f see the command that would have started it, not the fork server's.
+        command = Path(f"/proc/{worker.pid}/cmdline").read_bytes().rstrip(b"\0").decode()
+        assert command == f"{sys.executable} -m gpu_worker.service {_NOWHERE}", command
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=30) == 1  # its own handler's exit
         assert worker.returncode == 1
