@@ -103,7 +103,8 @@ def init() -> None:
     _wait_for(ready_file(folder), launcher)  # the local cluster starts while the scripts do
     if rank > 0:  # join in rank order: the run's rank k (by worker id) is then this launch's rank k
         _wait_for(joined_file(folder, rank - 1), launcher)
-    # The launcher's stop (SIGTERM) waits until the script can leave again: joined, it has to.
+    # The launcher's stop (SIGTERM) is held while the script joins: a joined script must be able to
+    # leave the cluster (atexit, the handler), so it gets both before the signal can end it.
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         try:
