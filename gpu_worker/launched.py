@@ -105,7 +105,7 @@ def init() -> None:
         _wait_for(joined_file(folder, rank - 1), launcher)
     # The launcher's stop (SIGTERM) is held while the script joins: a joined script must be able to
     # leave the cluster (atexit, the handler), so it gets both before the signal can end it.
-    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    mask_before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         try:
             session = WorkerSession(coordinator, name=f"launch-rank-{rank}")
@@ -117,7 +117,7 @@ def init() -> None:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the launcher's stop: leave the cluster
             signal.signal(signal.SIGTERM, _stop)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask_before)
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
