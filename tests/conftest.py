@@ -2,10 +2,38 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from client.local_cluster import LocalCluster
 from client.sdk import Client
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many processes share the tests (`-n auto`, the default): up to 4, one a core, as the
+    tests mostly wait on the services they started. None (one process) where output is asked for
+    (`-s`: a worker's output is not shown), on one core, or where load tests are selected: they
+    measure services under load, and nothing may run beside them."""
+    cores = len(os.sched_getaffinity(0))
+    if config.option.capture == "no" or cores < 2 or _selects(config.option.markexpr, "load"):
+        return 0
+    return min(cores, 4)
+
+
+def _selects(markexpr: str, marker: str) -> bool:
+    """Whether `-m markexpr` selects a test marked `marker` alone (an empty expression selects all)."""
+    from _pytest.mark.expression import Expression  # pytest's own reading of -m
+
+    return not markexpr or Expression.compile(markexpr).evaluate(lambda name, **kwargs: name == marker and not kwargs)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        # A worker process starts with COLUMNS=80 and LINES=24 set: the commands the tests run
+        # (and their tables' width) must see the environment a single process sees.
+        os.environ.pop("COLUMNS", None)
+        os.environ.pop("LINES", None)
 
 
 @pytest.fixture(scope="module")
