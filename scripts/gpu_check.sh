@@ -38,7 +38,8 @@ echo "cores: $(nproc)"; df -h /dev/shm | tail -1
 if [ "$(df --output=size -B1G /dev/shm | tail -1)" -lt 4 ] && [ "$(id -u)" = 0 ]; then
   mount -o remount,size=16G /dev/shm && echo "/dev/shm remounted at 16G"
 fi
-step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_optimizer.py
+# In one process, without pyproject's options: the machine's Python may lack pytest-xdist.
+step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cuda.py tests/test_optimizer.py
 step adam 150 bash -c "gradps bench adam --params 100000000 --device $DEVICE --steps 20 --json $OUT/adam.json \
   && gradps bench adam --params 100000000 --device $DEVICE --steps 20 --part-size 64 \
   && gradps bench adam --params 100000000 --device $DEVICE --steps 20 --optimizer sgd"

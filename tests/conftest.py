@@ -10,11 +10,13 @@ from client.local_cluster import LocalCluster
 from client.sdk import Client
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the tests run without it too
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """How many processes share the tests (`-n auto`, the default): up to 4, one a core, as the
-    tests mostly wait on the services they started. None (one process) where output is asked for
-    (`-s`: a worker's output is not shown), on one core, or where load tests are selected: they
-    measure services under load, and nothing may run beside them."""
+    """How many processes share the tests (`-n auto`, the default): one a core, up to 4 (one
+    process keeps 2 cores 70% busy: its tests wait on the services they start). None (one
+    process) where output is asked for (`-s`: a worker's output is not shown), on one core, or
+    where load tests are selected: they measure services under load, and nothing may run beside
+    them."""
     cores = len(os.sched_getaffinity(0))
     if config.option.capture == "no" or cores < 2 or _selects(config.option.markexpr, "load"):
         return 0
