@@ -55,19 +55,14 @@ def test_buffers_are_page_aligned_and_reused_when_big_enough():
     assert buffers.get(100) is not b
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
 def _resident(buffer: mmap.mmap) -> int:
     """Bytes of `buffer` whose pages are in memory (mincore(2)): its own pages, not the process's,
     whatever else the process allocates meanwhile."""
+    assert direct_io._LIBC is not None
     pages = (ctypes.c_ubyte * (len(buffer) // mmap.PAGESIZE))()
-    start = ctypes.c_char.from_buffer(buffer)
-    try:
-        if _libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(len(buffer)), pages) != 0:
+    with direct_io._address(buffer) as base:
+        if direct_io._LIBC.mincore(ctypes.c_void_p(base), ctypes.c_size_t(len(buffer)), pages) != 0:
             raise OSError(ctypes.get_errno(), "mincore")
-    finally:
-        del start  # the buffer may be closed again
     return sum(page & 1 for page in pages) * mmap.PAGESIZE
 
 
