@@ -578,12 +578,13 @@ def runs(coordinator: str, as_json: bool) -> None:
 
 @cli.command(context_settings=_CONTEXT)
 @click.argument("run_id")
+@click.option("--reason", default="", help='Kept as the run\'s message (one line); default "stopped by a client".')
 @_coordinator_option
 @one_line_errors
-def stop(run_id: str, coordinator: str) -> None:
+def stop(run_id: str, reason: str, coordinator: str) -> None:
     """Stop a run."""
     with Client(coordinator) as client:
-        client.stop(run_id)
+        client.stop(run_id, reason)
     click.echo(f"stopped {run_id}")
 
 
@@ -684,6 +685,12 @@ def export(run_id: str, out: Path, checkpoint_step: int | None, coordinator: str
 @click.option("--schemes", default=",".join(SCHEMES), help="Comma-separated schemes, run one after another.")
 @click.option("--workers", default=4, type=Count(min=1))
 @click.option("--target-accuracy", default=0.95, type=FiniteFloat(0, 1))
+@click.option(
+    "--until-target",
+    is_flag=True,
+    help="Stop each run (and the DDP baseline) at its first evaluation reaching --target-accuracy: "
+    "times and steps to it are the same, the rest is not trained; final acc is then that evaluation's.",
+)
 @spec_options
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs") / "compare")
 @click.option(
@@ -737,6 +744,7 @@ def compare(
     schemes: str,
     workers: int,
     target_accuracy: float,
+    until_target: bool,
     out: Path,
     baseline: str,
     tensorboard: Path | None,
@@ -761,6 +769,8 @@ def compare(
     embedded_only = [n for n in LOCAL_OPTIONS if not (n == "device" and baseline != "none")] if coordinator else []
     refuse_unread(ctx, dict.fromkeys(embedded_only, "--local only") | ({} if link else {"layout": "--link only"}))
     refuse_unread(ctx, unread_run_options(o, names), "these runs")
+    if until_target and o.get("eval_every") == 0:
+        raise click.UsageError("--until-target needs evaluations on the way: --eval-every above 0")
     hosts = Layout.named(layout, shards, workers)
     try:  # a bad --link: a usage error, before any run
         links = Links([link], hosts.hosts) if link else None
@@ -775,7 +785,7 @@ def compare(
         network = on.network if on else None
 
         def ddp(at: Path) -> dict[str, Any]:
-            return run_baseline(entries[0][1], device, target_accuracy, at, not no_progress, network)
+            return run_baseline(entries[0][1], device, target_accuracy, at, not no_progress, network, until_target)
 
         def embedded(logs: Path) -> LocalCluster:
             return LocalCluster(shards, workers, heartbeat_timeout, logs, device, transport,
@@ -787,8 +797,8 @@ def compare(
                 click.echo(f"repeat {number} of {repeats}", err=True)
             here, board = _repeat_dir(out, number, repeats), tensorboard and _repeat_dir(tensorboard, number, repeats)
             rows, title = _compare_repeat(
-                coordinator, entries, target_accuracy, here, not no_progress, board, workers, shards, o, embedded,
-                ddp if baseline != "none" else None,
+                coordinator, entries, target_accuracy, until_target, here, not no_progress, board, workers, shards,
+                o, embedded, ddp if baseline != "none" else None,
             )  # fmt: skip
             repeated.append([row | {"repeat": number} for row in rows])
             if network:
@@ -822,6 +832,7 @@ def _compare_repeat(
     coordinator: str | None,
     entries: list[tuple[str, run_pb2.RunSpec]],
     target_accuracy: float,
+    until_target: bool,
     out: Path,
     progress: bool,
     tensorboard: Path | None,
@@ -841,10 +852,10 @@ def _compare_repeat(
     if coordinator:
         with Client(coordinator) as client:
             shards = len(client.cluster().shards)
-        rows = run_comparison(coordinator, entries, target_accuracy, out, progress, tensorboard)
+        rows = run_comparison(coordinator, entries, target_accuracy, out, progress, tensorboard, until_target)
     else:
         with embedded(out / "logs") as cluster:
-            rows = run_comparison(cluster.address, entries, target_accuracy, out, progress, tensorboard)
+            rows = run_comparison(cluster.address, entries, target_accuracy, out, progress, tensorboard, until_target)
     if reference is not None:
         rows.append(reference)
         add_baseline_ratios(rows, reference)

@@ -59,12 +59,14 @@ def run_ddp(
     log_dir: Path,
     show_progress: bool = True,
     network: EmulatedNetwork | None = None,
+    until: float | None = None,
 ) -> dict[str, Any]:
     """Train `spec` with torch DDP on `spec.workers` local processes; its summary (as `follow`'s).
 
     Writes spec.json, each rank's rank<R>.json and summary.json to `out_dir`, the ranks' logs to
     `log_dir`. `device` is "cpu" or "cuda" (resolved). `network`: rank r on its host r (this
-    process must be on host 0, which holds the rendezvous store).
+    process must be on host 0, which holds the rendezvous store). `until`: every rank stops at
+    rank 0's first evaluation on the way with at least this test accuracy (as `follow` stops a run).
     """
     import torch.distributed as dist
 
@@ -81,7 +83,7 @@ def run_ddp(
     what = f"ddp: {world} ranks, {backend_for(device, world)} on {device}"
     with Console(stderr=True).status(what) if show_progress else contextlib.nullcontext():
         procs = [
-            _start_rank(rank, world, f"{host}:{store.port}", spec_path, device, out_dir, log_dir, network)
+            _start_rank(rank, world, f"{host}:{store.port}", spec_path, device, out_dir, log_dir, network, until)
             for rank in range(world)
         ]
         try:
@@ -108,7 +110,8 @@ def summarize(spec: run_pb2.RunSpec, ranks: list[dict[str, Any]], backend: str, 
     rates = [r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0 for r in ranks]
     return {
         "run_id": None,
-        "state": "completed",
+        # Stopped: at the target, as a gradps run `follow` stopped there.
+        "state": "stopped" if first["steps"] < first["total_steps"] else "completed",
         "scheme": SCHEME,
         "backend": backend,
         "device": device,
@@ -116,7 +119,7 @@ def summarize(spec: run_pb2.RunSpec, ranks: list[dict[str, Any]], backend: str, 
         "dataset": spec.dataset,
         "workers": spec.workers,
         "steps": first["steps"],
-        "total_steps": first["steps"],
+        "total_steps": first["total_steps"],
         # From the first rank entering the run (building its model, joining the group) to the last
         # one done, as a gradps run's wall time runs from its assignment to its last worker's report.
         "wall_seconds": round(max(r["finished_at"] for r in ranks) - min(r["entered_at"] for r in ranks), 3),
@@ -143,6 +146,7 @@ def _start_rank(
     out_dir: Path,
     log_dir: Path,
     network: EmulatedNetwork | None,
+    until: float | None,
 ) -> subprocess.Popen:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # as the local cluster's workers
@@ -155,6 +159,7 @@ def _start_rank(
         elif interface:
             env.setdefault(key, interface)
     args = [f"--rank={rank}", f"--world={world}", f"--store={store}", f"--spec={spec_path}", f"--device={device}"]
+    args += [f"--until={until!r}"] if until is not None else []
     argv = [sys.executable, "-m", "client.ddp_baseline", *args, f"--out={out_dir}"]
     if network:
         argv = network.command(rank % network.hosts, argv)
@@ -198,8 +203,11 @@ def rank_device(device: str, rank: int, backend: str) -> torch.device:
     return torch.device(device)
 
 
-def train_rank(spec: run_pb2.RunSpec, rank: int, world: int, store_at: str, device: str) -> dict[str, Any]:
-    """One rank's whole run: join the process group, train, leave; this rank's results."""
+def train_rank(
+    spec: run_pb2.RunSpec, rank: int, world: int, store_at: str, device: str, until: float | None = None
+) -> dict[str, Any]:
+    """One rank's whole run: join the process group, train (to the end, or `until` rank 0 evaluates
+    at least that test accuracy on the way), leave; this rank's results."""
     import torch.distributed as dist
 
     # A gradps worker keeps the datasets it loaded in memory from run to run: load before the clock.
@@ -213,7 +221,7 @@ def train_rank(spec: run_pb2.RunSpec, rank: int, world: int, store_at: str, devi
     store = dist.TCPStore(host, int(port), None, False, timeout=_COLLECTIVE_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
     try:
-        result = _train(spec, dataset, rank, world, where)
+        result = _train(spec, dataset, rank, world, where, until)
         # Every rank leaves the group together: a rank that tore down its connections while rank 0
         # still evaluated was aborted now and then by gloo ("terminate called without an active
         # exception").
@@ -224,7 +232,9 @@ def train_rank(spec: run_pb2.RunSpec, rank: int, world: int, store_at: str, devi
     return result
 
 
-def _train(spec: run_pb2.RunSpec, dataset: Dataset, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+def _train(
+    spec: run_pb2.RunSpec, dataset: Dataset, rank: int, world: int, device: torch.device, until: float | None
+) -> dict[str, Any]:
     """The loop of gpu_worker.service.train with DDP's all-reduce in place of the scheme."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -236,12 +246,14 @@ def _train(spec: run_pb2.RunSpec, dataset: Dataset, rank: int, world: int, devic
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = ScheduledOptimizer(list(ddp.parameters()), spec.optimizer, steps)
     slowdown = Slowdown(spec, rank)
-    evaluates = rank == 0 and spec.eval_every > 0
     curve: list[dict[str, Any]] = []
     samples, loss_sum = 0, 0.0
+    # Whether rank 0's evaluation reached `until`, broadcast to every rank (nccl's on the GPU).
+    reached = torch.zeros(1, dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
     model.train()
     dist.barrier()  # the clock starts when every rank is ready, as the schemes' start after start-up
     started = time.perf_counter()
+    done = steps
     for step in range(1, steps + 1):
         began = time.perf_counter()
         idx = sampler.next_batch()
@@ -252,12 +264,23 @@ def _train(spec: run_pb2.RunSpec, dataset: Dataset, rank: int, world: int, devic
         optimizer.opt.zero_grad(set_to_none=True)
         samples += len(idx)
         loss_sum += loss.item()  # a gradps worker reads its loss every step too
-        if evaluates and step % spec.eval_every == 0 and step < steps:
-            curve.append(_point(model, dataset, step, time.perf_counter() - started))
+        evaluation = spec.eval_every > 0 and step % spec.eval_every == 0 and step < steps
+        if evaluation and rank == 0:
+            point, test_loss = _point(model, dataset, step, time.perf_counter() - started)
+            curve.append(point)
+            reached.fill_(int(until is not None and point["test_accuracy"] >= until))
         slowdown.after(time.perf_counter() - began)
+        if evaluation and until is not None:
+            dist.broadcast(reached, src=0)
+            if reached.item():
+                done = step
+                break
     elapsed = time.perf_counter() - started
-    result: dict[str, Any] = {"steps": steps, "samples": samples, "elapsed_s": elapsed, "loss": loss_sum / steps}
-    if rank == 0:  # the final evaluation, as a gradps run's rank 0 makes at its end
+    result: dict[str, Any] = {"steps": done, "total_steps": steps, "samples": samples, "elapsed_s": elapsed}
+    result["loss"] = loss_sum / done
+    if rank == 0 and done < steps:  # stopped at the target: its evaluation is the final one
+        result.update(final_test_accuracy=point["test_accuracy"], final_test_loss=test_loss)
+    elif rank == 0:  # the final evaluation, as a gradps run's rank 0 makes at its end
         test_loss, test_accuracy = evaluate(model, dataset)
         curve.append({"elapsed_s": elapsed, "step": steps, "test_accuracy": test_accuracy})
         result.update(final_test_accuracy=test_accuracy, final_test_loss=test_loss)
@@ -265,11 +288,12 @@ def _train(spec: run_pb2.RunSpec, dataset: Dataset, rank: int, world: int, devic
     return result
 
 
-def _point(model: torch.nn.Module, dataset: Dataset, step: int, elapsed_s: float) -> dict[str, Any]:
-    """One point of the accuracy curve, timed before the evaluation as a gradps worker times it.
-    It evaluates the model itself, not its DDP wrapper, whose forward would wait for the others."""
-    _, test_accuracy = evaluate(model, dataset)
-    return {"elapsed_s": elapsed_s, "step": step, "test_accuracy": test_accuracy}
+def _point(model: torch.nn.Module, dataset: Dataset, step: int, elapsed_s: float) -> tuple[dict[str, Any], float]:
+    """One point of the accuracy curve, timed before the evaluation as a gradps worker times it,
+    and the test loss. It evaluates the model itself, not its DDP wrapper, whose forward would
+    wait for the others."""
+    test_loss, test_accuracy = evaluate(model, dataset)
+    return {"elapsed_s": elapsed_s, "step": step, "test_accuracy": test_accuracy}, test_loss
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -279,11 +303,12 @@ def _point(model: torch.nn.Module, dataset: Dataset, step: int, elapsed_s: float
 @click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path))
 @click.option("--device", required=True, help="cpu or cuda (resolved by the parent).")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
-def main(rank: int, world: int, store_at: str, spec_path: Path, device: str, out: Path) -> None:
+@click.option("--until", type=float, default=None, help="Stop at rank 0's first evaluation of this test accuracy.")
+def main(rank: int, world: int, store_at: str, spec_path: Path, device: str, out: Path, until: float | None) -> None:
     """One rank of the DDP baseline (started by `run_ddp`): writes OUT/rank<RANK>.json."""
     torch.set_num_threads(1)  # as a gradps worker (gradps-worker --threads 1)
     spec = Parse(spec_path.read_text(), run_pb2.RunSpec())
-    result = train_rank(spec, rank, world, store_at, device)
+    result = train_rank(spec, rank, world, store_at, device, until)
     written = out / f"rank{rank}.json"
     temp = written.with_suffix(".tmp")
     temp.write_text(json.dumps(result) + "\n")

@@ -19,6 +19,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Output",
         (
             "target_accuracy",
+            "until_target",
             "baseline",
             "repeats",
             "eval_every",

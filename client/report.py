@@ -109,10 +109,13 @@ def follow(
     show_progress: bool = True,
     tensorboard: Path | None = None,
     console: Console | None = None,
+    until: float | None = None,
 ) -> dict[str, Any]:
     """Watch a run to its end, writing metrics.jsonl as events arrive and summary.json at the end;
     with `tensorboard`, its curves as event files there too (client.tensorboard). Progress and
-    notices (the run starts, a worker dies) go to `console`, stderr by default."""
+    notices (the run starts, a worker dies) go to `console`, stderr by default. `until`: stop the
+    run at its first evaluation on the way with at least this test accuracy; its curve then ends
+    there, and its final figures are that evaluation's."""
     out_dir.mkdir(parents=True, exist_ok=True)
     board = RunBoard(tensorboard) if tensorboard is not None else None
     console = console or Console(stderr=True)
@@ -128,6 +131,7 @@ def follow(
         waiting = f"waiting for {_count(run.spec.workers, 'worker')}" if run.state == cpb.RUN_STATE_PENDING else ""
         task = progress.add_task(run.spec.scheme, total=run.total_steps or None, stats=waiting or "starting")
         accuracy: float | None = None
+        reached: cpb.Metrics | None = None  # the evaluation that reached `until`
         try:
             for event in client.watch(run_id):
                 run = event.run
@@ -138,9 +142,11 @@ def follow(
                     log.flush()
                     if board is not None:
                         board.add(run, m)
-                    if m.test_accuracy >= 0:
+                    if m.test_accuracy >= 0 and reached is None:
                         accuracy = m.test_accuracy
                         evaluations.append(m)
+                        if until is not None and run_figures.evaluated_on_the_way(m) and m.test_accuracy >= until:
+                            reached = m if _stop_at_target(client, run_id, m, until, notices.console) else None
                 _show(progress, task, run, accuracy)
                 if run.state in _ENDED:
                     break
@@ -151,7 +157,12 @@ def follow(
             if board is not None:
                 board.close(run.latest)
     summary = summarize(run, shards)
-    summary["accuracy_curve"] = accuracy_curve(evaluations, run.latest)
+    if reached is not None and run.state == cpb.RUN_STATE_STOPPED:
+        # Stopped where it reached the target (not by the race of a run that completed first).
+        summary.update(final_test_accuracy=reached.test_accuracy, final_test_loss=reached.test_loss)
+        summary["accuracy_curve"] = accuracy_curve(evaluations, [])
+    else:
+        summary["accuracy_curve"] = accuracy_curve(evaluations, run.latest)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -228,6 +239,19 @@ def _rate(samples_per_second: float) -> str:
     if samples_per_second >= 1000:
         return f"{samples_per_second / 1000:.1f}k/s"
     return f"{samples_per_second:.0f}/s"
+
+
+def _stop_at_target(client: Client, run_id: str, reached: cpb.Metrics, target: float, console: Console) -> bool:
+    """Stop a run whose evaluation `reached` the target: the rest of it is not trained. False
+    where the coordinator refused (a run that ended meanwhile, its last step near, is left as it
+    ended) or did not answer (the next evaluation tries again)."""
+    why = f"reached {target * 100:g}% test accuracy at step {reached.step} ({reached.elapsed_s:.1f} s)"
+    try:
+        client.stop(run_id, f"stopped: {why}")
+    except GradpsError:
+        return False
+    console.print(f"run {run_id} {why}: stopped")
+    return True
 
 
 def _stop_interrupted(client: Client, run_id: str) -> None:

@@ -117,9 +117,9 @@ class Client:
         """Every run, oldest first."""
         return list(self._call("ListRuns", cpb.ListRunsRequest()).runs)
 
-    def stop(self, run_id: str) -> None:
-        """Stop a run."""
-        self._call("StopRun", cpb.StopRunRequest(run_id=run_id))
+    def stop(self, run_id: str, reason: str = "") -> None:
+        """Stop a run; `reason` (one line) becomes its message, "stopped by a client" without one."""
+        self._call("StopRun", cpb.StopRunRequest(run_id=run_id, reason=reason))
 
     def scale(self, run_id: str, workers: int) -> cpb.ScaleRunResponse:
         """Train the running run with `workers` of its ranks (1 to its spec's workers): the

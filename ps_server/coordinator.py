@@ -66,6 +66,7 @@ from ps_server.coordinator_limits import (
     check_metrics,
     check_shard,
     check_spec,
+    check_stop,
     shown,
 )
 from ps_server.recovery import Restart, go_back, recover
@@ -292,11 +293,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return cpb.ListRunsResponse(runs=[self._snapshot(r) for r in self._runs.values()])
 
     def StopRun(self, request: cpb.StopRunRequest, context: grpc.ServicerContext) -> cpb.StopRunResponse:
+        check_stop(request)
         with self._cond:
             record = self._record(request.run_id)
             if record.ended:
                 raise Ended(f"run {record.run_id} already ended: {_state_name(record)}")
-            self._end(record, cpb.RUN_STATE_STOPPED, "stopped by a client")
+            self._end(record, cpb.RUN_STATE_STOPPED, request.reason or "stopped by a client")
         return cpb.StopRunResponse()
 
     def ScaleRun(self, request: cpb.ScaleRunRequest, context: grpc.ServicerContext) -> cpb.ScaleRunResponse:

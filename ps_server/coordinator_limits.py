@@ -23,6 +23,8 @@ MAX_ADDRESS_CHARS = MAX_HOST_CHARS + 2 + 1 + 5
 # One Metrics report, and its error (a worker cuts its own at 2000 characters).
 MAX_METRICS_BYTES = 16 * 1024
 MAX_ERROR_CHARS = 4096
+# The reason a client gives for stopping a run, kept as its message.
+MAX_REASON_CHARS = 1024
 # Counts the coordinator holds: runs that are pending or running, live workers, known shards.
 MAX_ACTIVE_RUNS = 1024
 MAX_LIVE_WORKERS = 16384
@@ -51,6 +53,14 @@ def check_spec(spec: run_pb2.RunSpec) -> None:
         _check_name(what, getattr(spec, what))
     _check_name("optimizer", spec.optimizer.name)
     _check_name("optimizer schedule", spec.optimizer.schedule)
+
+
+def check_stop(request: cpb.StopRunRequest) -> None:
+    """Invalid for a stop whose reason is beyond the limit or not one line (listings show it)."""
+    if len(request.reason) > MAX_REASON_CHARS:
+        raise Invalid(f"the reason has {len(request.reason)} characters, more than {MAX_REASON_CHARS}")
+    if "\n" in request.reason or "\r" in request.reason:
+        raise Invalid(f"the reason must be one line: {shown(request.reason, 40)}")
 
 
 def check_join(request: cpb.JoinWorkerRequest) -> None:

@@ -43,6 +43,7 @@ def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["export", "RUN", "--out", str(a_file / "model.pt")], f"cannot create folder {a_file}"),
         (["compare", "--schemes", "sync,sync"], "a scheme is named twice"),
         (["compare", "--schemes", ","], "expected one or more of sync, asgd"),
+        (["compare", "--until-target", "--eval-every", "0"], "--until-target needs evaluations on the way"),
         (["bench", "transport", "--json", str(a_file / "rows.json")], f"cannot create folder {a_file}"),
         (["bench", "transport", "--plot", str(a_file / "rows.png")], f"cannot create folder {a_file}"),
         (["bench", "memory", "--json", str(tmp)], "is a directory"),

@@ -124,6 +124,13 @@ def test_a_run_larger_than_the_cluster_does_not_hold_up_later_runs(procs):
             assert [s.wait_for_assignment(wait_s=10).run_id for s in sessions] == [later[0]] * 2
             assert client.run(later[1]).run.state == cpb.RUN_STATE_PENDING
             assert client.run(big).run.state == cpb.RUN_STATE_PENDING
+
+            # A user stops the big run, saying why: listings show it as the run's message.
+            said = _cli("stop", big, "--reason", "too big for this cluster", "--coordinator", procs.address)
+            assert said == f"exit 0: stopped {big}\n", said
+            assert client.run(big).run.message == "too big for this cluster"
+            (line,) = [line for line in _cli("runs", "--coordinator", procs.address).splitlines() if big in line]
+            assert "stopped" in line and "too big for this cluster" in line, line
         finally:
             for run_id in (big, *later):
                 if client.run(run_id).run.state in (cpb.RUN_STATE_PENDING, cpb.RUN_STATE_RUNNING):

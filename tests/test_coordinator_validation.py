@@ -219,6 +219,33 @@ def test_runs_submitted_in_one_second_never_share_an_id(lone, monkeypatch):
             lone.StopRun(cpb.StopRunRequest(run_id=run_id), timeout=10)
 
 
+def test_stop_run_keeps_a_one_line_reason_and_refuses_another_leaving_the_run_as_it_was(lone):
+    spec = run_pb2.RunSpec(scheme="asgd", workers=1, steps=5)
+    run_ids = [lone.SubmitRun(cpb.SubmitRunRequest(spec=spec), timeout=10).run_id for _ in range(2)]
+    try:
+        refused = {
+            "a" * 1025: "1025 characters, more than 1024",
+            "reached the target\nand more": "must be one line",
+            "carriage\rreturn": "must be one line",
+        }
+        for reason, said in refused.items():
+            details = _rejected(lambda r=reason: lone.StopRun(cpb.StopRunRequest(run_id=run_ids[0], reason=r)), INVALID)
+            assert said in details, details
+            run = lone.GetRun(cpb.GetRunRequest(run_id=run_ids[0]), timeout=10).run
+            assert run.state == cpb.RUN_STATE_PENDING and not run.message, run
+        lone.StopRun(cpb.StopRunRequest(run_id=run_ids[0], reason="stopped: " + "b" * 1015), timeout=10)
+        lone.StopRun(cpb.StopRunRequest(run_id=run_ids[1]), timeout=10)
+        runs = [lone.GetRun(cpb.GetRunRequest(run_id=run_id), timeout=10).run for run_id in run_ids]
+        assert [r.state for r in runs] == [cpb.RUN_STATE_STOPPED] * 2
+        assert [r.message for r in runs] == ["stopped: " + "b" * 1015, "stopped by a client"]
+    finally:
+        for run_id in run_ids:
+            try:
+                lone.StopRun(cpb.StopRunRequest(run_id=run_id), timeout=10)
+            except grpc.RpcError:
+                pass  # stopped above
+
+
 # ---- RegisterShard (a coordinator alone) ------------------------------------------------------
 
 BAD_ADDRESSES = [":", "host:", ":50052", "host:0", "host:65536", "host:port", "::1:50052", "[::1:50052", "a b:1"]

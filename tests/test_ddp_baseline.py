@@ -92,3 +92,34 @@ def test_compare_with_the_ddp_baseline_writes_both_rows_and_the_ratio(tmp_path: 
         table = list(csv.DictReader(f))
     assert RATIO in table[0] and [r["scheme"] for r in table] == ["sync", "sync-backup1", "ddp"]
     assert (out / "compare.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_compare_until_target_stops_every_run_and_the_baseline_at_its_first_evaluation_reaching_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "cmp"
+    args = ["compare", "--baseline", "ddp", "--schemes", "sync,asgd", "--workers", "2", "--shards", "1"]
+    args += ["--device", "cpu", "--steps", "400", "--eval-every", "10", "--target-accuracy", "0.8"]
+    args += ["--until-target", "--no-progress", "--out", str(out)]
+    result = CliRunner().invoke(cli, args, env={"GRADPS_COORDINATOR": None})
+    assert result.exit_code == 0, result.output
+    rows = {r["scheme"]: r for r in json.loads((out / "compare.json").read_text())["schemes"]}
+    assert list(rows) == ["sync", "asgd", "ddp"]
+    for name, row in rows.items():
+        summary = json.loads((out / name / "summary.json").read_text())
+        curve, reached = row["accuracy_curve"], row["steps_to_target"]
+        # Stopped where it first reached the target, long before its 400 steps: that evaluation
+        # ends its curve and is its final accuracy.
+        assert row["state"] == "stopped" and reached is not None and reached < 200, (name, curve)
+        assert all(p["test_accuracy"] < 0.8 for p in curve[:-1]) and curve[-1]["step"] == reached, (name, curve)
+        assert row["final_test_accuracy"] == curve[-1]["test_accuracy"] >= 0.8
+        assert row["time_to_target_s"] == round(curve[-1]["elapsed_s"], 3)
+        assert summary["steps"] < summary["total_steps"] == 400, (name, summary["steps"])
+        if name == "ddp":
+            assert summary["steps"] == reached  # every rank left at that evaluation
+        else:  # each run says why it stopped
+            assert summary["message"] == (
+                f"stopped: reached 80% test accuracy at step {reached} ({curve[-1]['elapsed_s']:.1f} s)"
+            )
+            assert f"run {row['run_id']} reached 80% test accuracy at step {reached}" in result.output
