@@ -184,8 +184,9 @@ def test_every_scheme_reaches_95_percent_with_the_optimizers_users_bring(tmp_pat
     import subprocess
     import sys
 
+    # Each run stops where it reaches the target (--until-target): every scheme's stop is taken too.
     args = ["--workers", "4", "--shards", "2", "--eval-every", "10", "--optimizer", *optimizer]
-    args += ["--no-progress", "--out", str(tmp_path)]
+    args += ["--until-target", "--no-progress", "--out", str(tmp_path)]
     r = subprocess.run(
         [sys.executable, "-m", "client.cli", "compare", *args], capture_output=True, text=True, timeout=900
     )
@@ -194,3 +195,4 @@ def test_every_scheme_reaches_95_percent_with_the_optimizers_users_bring(tmp_pat
     assert len(rows) == 5
     for row in rows:
         assert row["time_to_target_s"] is not None, (row["scheme"], row["final_test_accuracy"])
+        assert row["state"] == "stopped" and row["final_test_accuracy"] >= 0.95, row
