@@ -364,11 +364,21 @@ def _train_on(
         return _follow(client, client.submit(spec), out, no_progress, tensorboard)
 
 
-def _follow(client: Client, run_id: str, out: Path | None, no_progress: bool, tensorboard: Path | None) -> dict:
-    """Follow a run to its end with a progress display; its summary, also written to `out`."""
+def _follow(
+    client: Client,
+    run_id: str,
+    out: Path | None,
+    no_progress: bool,
+    tensorboard: Path | None,
+    interrupt_stops: bool = True,
+) -> dict:
+    """Follow a run to its end with a progress display; its summary, also written to `out`. An
+    interrupt stops the run unless `interrupt_stops` is False."""
     out_dir = out or Path("runs") / run_id
     board = tensorboard / run_id if tensorboard is not None else None
-    summary = follow(client, run_id, out_dir, show_progress=not no_progress, tensorboard=board)
+    summary = follow(
+        client, run_id, out_dir, show_progress=not no_progress, tensorboard=board, interrupt_stops=interrupt_stops
+    )
     click.echo(f"wrote {out_dir / 'summary.json'} and {out_dir / 'metrics.jsonl'}", err=True)
     return summary
 
@@ -574,6 +584,36 @@ def runs(coordinator: str, as_json: bool) -> None:
             Text(r.pending_reason if r.state == cpb.RUN_STATE_PENDING else r.message),
         )
     table_console().print(table)
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("run_id")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where summary.json and metrics.jsonl go (default runs/RUN_ID).",
+)
+@click.option(
+    "--tensorboard",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also write TensorBoard event files here, DIR/RUN_ID.",
+)
+@click.option("--no-progress", is_flag=True, help="No live progress bar.")
+@_coordinator_option
+@one_line_errors
+def watch(run_id: str, out: Path | None, tensorboard: Path | None, no_progress: bool, coordinator: str) -> None:
+    """Follow a run from its start, whoever submitted it: live progress, then its summary, as
+    `train` shows its own; writes summary.json and metrics.jsonl. A run that ended is shown at
+    once. Ctrl-C leaves the run going on. Exits non-zero unless the run completed."""
+    with Client(coordinator) as client:
+        client.run(run_id)  # an unknown run: one line, before any folder is made for it
+        make_dir(out or Path("runs"))
+        summary = _follow(client, run_id, out, no_progress, tensorboard, interrupt_stops=False)
+    print_summary(summary)
+    if summary["state"] != "completed":
+        raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
 
 
 @cli.command(context_settings=_CONTEXT)

@@ -110,12 +110,14 @@ def follow(
     tensorboard: Path | None = None,
     console: Console | None = None,
     until: float | None = None,
+    interrupt_stops: bool = True,
 ) -> dict[str, Any]:
     """Watch a run to its end, writing metrics.jsonl as events arrive and summary.json at the end;
     with `tensorboard`, its curves as event files there too (client.tensorboard). Progress and
     notices (the run starts, a worker dies) go to `console`, stderr by default. `until`: stop the
     run at its first evaluation on the way with at least this test accuracy; its curve then ends
-    there, and its final figures are that evaluation's."""
+    there, and its final figures are that evaluation's. An interrupt (Ctrl-C, SIGTERM) stops the
+    run, the one this client started; with `interrupt_stops` False the client only leaves it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     board = RunBoard(tensorboard) if tensorboard is not None else None
     console = console or Console(stderr=True)
@@ -151,7 +153,7 @@ def follow(
                 if run.state in _ENDED:
                     break
         except (KeyboardInterrupt, SystemExit):
-            _stop_interrupted(client, run_id)
+            _interrupted(client, run_id, interrupt_stops)
             raise
         finally:
             if board is not None:
@@ -254,10 +256,14 @@ def _stop_at_target(client: Client, run_id: str, reached: cpb.Metrics, target: f
     return True
 
 
-def _stop_interrupted(client: Client, run_id: str) -> None:
-    """The user interrupted (Ctrl-C, SIGTERM: see client.usage) while following a run: stop it, as
-    a run nobody follows would go on holding the cluster's workers."""
+def _interrupted(client: Client, run_id: str, stops: bool) -> None:
+    """The user interrupted (Ctrl-C, SIGTERM: see client.usage) while following a run. `stops`:
+    the run is this client's, stop it, as a run nobody follows would go on holding the cluster's
+    workers; else leave it going on."""
     console = Console(stderr=True)
+    if not stops:
+        console.print(f"left run {run_id}, which goes on (gradps stop {run_id} stops it)")
+        return
     try:
         client.stop(run_id)
         console.print(f"stopped run {run_id}")

@@ -100,6 +100,51 @@ def test_stop_run_releases_workers(cluster, client):
     assert client.run(nxt).run.state == cpb.RUN_STATE_COMPLETED
 
 
+def test_watch_follows_a_run_from_its_start_and_an_interrupt_leaves_it_going_on(cluster, client, tmp_path):
+    from click.testing import CliRunner
+
+    from client.cli import cli
+
+    run_id = client.submit(_spec("asgd", steps=100000, eval_every=20))  # submitted by another client
+    watch = [sys.executable, "-m", "client.cli", "watch", run_id, "--coordinator", cluster.address, "--no-progress"]
+    first = tmp_path / "first"
+    proc = subprocess.Popen([*watch, "--out", str(first)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (first / "metrics.jsonl").exists() or len((first / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "no reports came"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and f"left run {run_id}, which goes on" in err, err
+    time.sleep(1.0)  # a stop would have landed
+    assert client.run(run_id).run.state == cpb.RUN_STATE_RUNNING
+    seen = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+
+    client.stop(run_id, "enough watching")
+    # Watched again, the ended run is replayed from its start: every report the first watch
+    # saw, then the rest, and its summary.
+    again = tmp_path / "again"
+    result = CliRunner().invoke(
+        cli, ["watch", run_id, "--coordinator", cluster.address, "--no-progress", "--out", str(again)]
+    )
+    assert result.exit_code == 1 and f"run {run_id} stopped: enough watching" in result.output, result.output
+    replayed = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    assert replayed[: len(seen)] == seen and len(replayed) >= len(seen)
+    summary = json.loads((again / "summary.json").read_text())
+    assert summary["run_id"] == run_id and summary["state"] == "stopped" and summary["message"] == "enough watching"
+    assert [p["step"] for p in summary["accuracy_curve"]][:2] == [20, 40]
+
+    # An unknown run: one line, and no folder made for it.
+    result = CliRunner().invoke(
+        cli, ["watch", "nope", "--coordinator", cluster.address, "--out", str(tmp_path / "nope")]
+    )
+    assert result.exit_code == 1 and "unknown run 'nope'" in result.output and len(result.output.splitlines()) == 1
+    assert not (tmp_path / "nope").exists()
+
+
 _KILL_SCHEMES = ["sync", "asgd", "ssp", "wagma", "pseudosync"]
 
 
