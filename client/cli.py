@@ -248,6 +248,13 @@ def _local_tls_option(fn: F) -> F:
     help="Consistency scheme: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ".",
 )
 @click.option("--workers", default=_DEFAULTS.workers, type=Count(min=1))
+@click.option(
+    "--until-accuracy",
+    type=FiniteFloat(0, 1),
+    default=None,
+    help="Stop the run at its first evaluation with at least this test accuracy (its final accuracy then); "
+    "a run so stopped counts as done.",
+)
 @spec_options
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Run folder (default runs/<run-id>)."
@@ -285,6 +292,7 @@ def train(
     allow_import: tuple[str, ...],
     scheme: str,
     workers: int,
+    until_accuracy: float | None,
     out: Path | None,
     tensorboard: Path | None,
     no_progress: bool,
@@ -312,12 +320,12 @@ def train(
         assert coordinator is not None
         with Client(coordinator) as client:
             client.resume(resume)
-            summary = _follow(client, resume, out, no_progress, tensorboard)
-        print_summary(summary)
-        if summary["state"] != "completed":
-            raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
+            summary = _follow(client, resume, out, no_progress, tensorboard, until=until_accuracy)
+        _done(summary)
         return
     refuse_unread(ctx, unread_run_options(options, [scheme]), f"this {scheme} run")
+    if until_accuracy is not None and options.get("eval_every") == 0:
+        raise click.UsageError("--until-accuracy needs evaluations on the way: --eval-every above 0")
     spec = build_spec(scheme, workers, **options)
     if checkpoint_every:
         spec.checkpoint_every_steps, spec.checkpoint_every_seconds = checkpoint_every
@@ -329,14 +337,20 @@ def train(
         with LocalCluster(
             shards, workers, heartbeat_timeout, log_dir, device, transport, allow_import=allow_import, tls_certs=tls
         ) as cluster:
-            summary = _train_on(cluster.address, spec, out, no_progress, tensorboard)
+            summary = _train_on(cluster.address, spec, out, no_progress, tensorboard, until_accuracy)
         if out is None:
             log_dir.rename(Path("runs") / summary["run_id"] / "logs")
     else:
         assert coordinator is not None  # exactly one of --local and --coordinator, checked above
-        summary = _train_on(coordinator, spec, out, no_progress, tensorboard)
+        summary = _train_on(coordinator, spec, out, no_progress, tensorboard, until_accuracy)
+    _done(summary)
+
+
+def _done(summary: dict[str, Any]) -> None:
+    """Print a followed run's summary; a one-line error unless it completed (or stopped where it
+    reached --until-accuracy)."""
     print_summary(summary)
-    if summary["state"] != "completed":
+    if summary["state"] != "completed" and summary.get("reached_target_at_step") is None:
         raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
 
 
@@ -351,7 +365,12 @@ def _chosen_coordinator(local: bool, coordinator: str | None) -> str | None:
 
 
 def _train_on(
-    address: str, spec: run_pb2.RunSpec, out: Path | None, no_progress: bool, tensorboard: Path | None
+    address: str,
+    spec: run_pb2.RunSpec,
+    out: Path | None,
+    no_progress: bool,
+    tensorboard: Path | None,
+    until: float | None,
 ) -> dict:
     with Client(address) as client:
         alive = sum(w.alive for w in client.cluster().workers)
@@ -361,7 +380,7 @@ def _train_on(
                 "they join (Ctrl-C stops it)",
                 err=True,
             )
-        return _follow(client, client.submit(spec), out, no_progress, tensorboard)
+        return _follow(client, client.submit(spec), out, no_progress, tensorboard, until=until)
 
 
 def _follow(
@@ -371,14 +390,13 @@ def _follow(
     no_progress: bool,
     tensorboard: Path | None,
     interrupt_stops: bool = True,
+    until: float | None = None,
 ) -> dict:
     """Follow a run to its end with a progress display; its summary, also written to `out`. An
-    interrupt stops the run unless `interrupt_stops` is False."""
+    interrupt stops the run unless `interrupt_stops` is False; `until`: see `follow`."""
     out_dir = out or Path("runs") / run_id
     board = tensorboard / run_id if tensorboard is not None else None
-    summary = follow(
-        client, run_id, out_dir, show_progress=not no_progress, tensorboard=board, interrupt_stops=interrupt_stops
-    )
+    summary = follow(client, run_id, out_dir, not no_progress, board, until=until, interrupt_stops=interrupt_stops)
     click.echo(f"wrote {out_dir / 'summary.json'} and {out_dir / 'metrics.jsonl'}", err=True)
     return summary
 
@@ -611,9 +629,7 @@ def watch(run_id: str, out: Path | None, tensorboard: Path | None, no_progress: 
         client.run(run_id)  # an unknown run: one line, before any folder is made for it
         make_dir(out or Path("runs"))
         summary = _follow(client, run_id, out, no_progress, tensorboard, interrupt_stops=False)
-    print_summary(summary)
-    if summary["state"] != "completed":
-        raise click.ClickException(f"run {summary['run_id']} {summary['state']}: {summary['message']}")
+    _done(summary)
 
 
 @cli.command(context_settings=_CONTEXT)

@@ -20,6 +20,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "target_accuracy",
             "until_target",
+            "until_accuracy",
             "baseline",
             "repeats",
             "eval_every",

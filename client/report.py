@@ -162,6 +162,7 @@ def follow(
     if reached is not None and run.state == cpb.RUN_STATE_STOPPED:
         # Stopped where it reached the target (not by the race of a run that completed first).
         summary.update(final_test_accuracy=reached.test_accuracy, final_test_loss=reached.test_loss)
+        summary["reached_target_at_step"] = reached.step
         summary["accuracy_curve"] = accuracy_curve(evaluations, [])
     else:
         summary["accuracy_curve"] = accuracy_curve(evaluations, run.latest)

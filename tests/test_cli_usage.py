@@ -44,6 +44,7 @@ def _usage_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["compare", "--schemes", "sync,sync"], "a scheme is named twice"),
         (["compare", "--schemes", ","], "expected one or more of sync, asgd"),
         (["compare", "--until-target", "--eval-every", "0"], "--until-target needs evaluations on the way"),
+        (["train", "--local", "--until-accuracy", "0.9", "--eval-every", "0"], "--until-accuracy needs evaluations"),
         (["bench", "transport", "--json", str(a_file / "rows.json")], f"cannot create folder {a_file}"),
         (["bench", "transport", "--plot", str(a_file / "rows.png")], f"cannot create folder {a_file}"),
         (["bench", "memory", "--json", str(tmp)], "is a directory"),

@@ -145,6 +145,22 @@ def test_watch_follows_a_run_from_its_start_and_an_interrupt_leaves_it_going_on(
     assert not (tmp_path / "nope").exists()
 
 
+def test_train_until_accuracy_stops_the_run_where_it_first_reaches_it_and_counts_it_done(cluster, tmp_path):
+    from click.testing import CliRunner
+
+    from client.cli import cli
+
+    args = ["train", "--coordinator", cluster.address, "--scheme", "sync", "--steps", "2000", "--eval-every", "20"]
+    args += ["--until-accuracy", "0.8", "--no-progress", "--out", str(tmp_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    curve = summary["accuracy_curve"]
+    assert summary["state"] == "stopped" and summary["reached_target_at_step"] == curve[-1]["step"] < 2000, summary
+    assert all(p["test_accuracy"] < 0.8 for p in curve[:-1]) and summary["final_test_accuracy"] >= 0.8
+    assert summary["steps"] < 2000 and summary["message"].startswith("stopped: reached 80% test accuracy at step")
+
+
 _KILL_SCHEMES = ["sync", "asgd", "ssp", "wagma", "pseudosync"]
 
 
