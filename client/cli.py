@@ -836,12 +836,13 @@ def compare(
     # --device is the embedded cluster's, and the baseline's: both run on this machine.
     device = device if coordinator and baseline == "none" else resolve_option(device)
     make_dir(out)
+    until = target_accuracy if until_target else None
     repeated = []
     with links if links and Links.available(Console(stderr=True)) else contextlib.nullcontext() as on:
         network = on.network if on else None
 
         def ddp(at: Path) -> dict[str, Any]:
-            return run_baseline(entries[0][1], device, target_accuracy, at, not no_progress, network, until_target)
+            return run_baseline(entries[0][1], device, target_accuracy, at, not no_progress, network, until)
 
         def embedded(logs: Path) -> LocalCluster:
             return LocalCluster(shards, workers, heartbeat_timeout, logs, device, transport,
@@ -853,7 +854,7 @@ def compare(
                 click.echo(f"repeat {number} of {repeats}", err=True)
             here, board = _repeat_dir(out, number, repeats), tensorboard and _repeat_dir(tensorboard, number, repeats)
             rows, title = _compare_repeat(
-                coordinator, entries, target_accuracy, until_target, here, not no_progress, board, workers, shards,
+                coordinator, entries, target_accuracy, until, here, not no_progress, board, workers, shards,
                 o, embedded, ddp if baseline != "none" else None,
             )  # fmt: skip
             repeated.append([row | {"repeat": number} for row in rows])
@@ -888,7 +889,7 @@ def _compare_repeat(
     coordinator: str | None,
     entries: list[tuple[str, run_pb2.RunSpec]],
     target_accuracy: float,
-    until_target: bool,
+    until: float | None,
     out: Path,
     progress: bool,
     tensorboard: Path | None,
@@ -908,10 +909,10 @@ def _compare_repeat(
     if coordinator:
         with Client(coordinator) as client:
             shards = len(client.cluster().shards)
-        rows = run_comparison(coordinator, entries, target_accuracy, out, progress, tensorboard, until_target)
+        rows = run_comparison(coordinator, entries, target_accuracy, out, progress, tensorboard, until)
     else:
         with embedded(out / "logs") as cluster:
-            rows = run_comparison(cluster.address, entries, target_accuracy, out, progress, tensorboard, until_target)
+            rows = run_comparison(cluster.address, entries, target_accuracy, out, progress, tensorboard, until)
     if reference is not None:
         rows.append(reference)
         add_baseline_ratios(rows, reference)

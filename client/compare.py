@@ -86,17 +86,16 @@ def run_comparison(
     out_dir: Path,
     show_progress: bool = True,
     tensorboard: Path | None = None,
-    until_target: bool = False,
+    until: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run each entry in turn on the cluster at `address`; one row each, under its name (and, with
-    `tensorboard`, one TensorBoard run each, tensorboard/<name>). `until_target`: each run stops
-    at its first evaluation reaching `target`."""
+    `tensorboard`, one TensorBoard run each, tensorboard/<name>). `until`: each run stops at its
+    first evaluation of at least this test accuracy (`follow`)."""
     rows = []
     with Client(address) as client:
         for name, spec in entries:
             run_id = client.submit(spec)
             board = tensorboard / name if tensorboard is not None else None
-            until = target if until_target else None
             summary = follow(client, run_id, out_dir / name, show_progress, board, until=until)
             row = row_of(summary, target)
             row["scheme"] = name
@@ -111,12 +110,11 @@ def run_baseline(
     out_dir: Path,
     show_progress: bool = True,
     network: EmulatedNetwork | None = None,
-    until_target: bool = False,
+    until: float | None = None,
 ) -> dict[str, Any]:
     """The torch DDP baseline of `spec` on this machine (client.ddp_baseline), each rank on a host
-    of `network` where given; its row. `until_target`: it stops at its first evaluation reaching
-    `target`."""
-    until = target if until_target else None
+    of `network` where given; its row. `until`: it stops at its first evaluation of at least this
+    test accuracy (`run_ddp`)."""
     summary = run_ddp(spec, device, out_dir / BASELINE, out_dir / "logs", show_progress, network, until)
     return row_of(summary, target)
 
